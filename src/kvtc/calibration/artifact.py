@@ -1,0 +1,386 @@
+"""The calibration artifact: one safetensors file (tensors) with a JSON metadata entry, content-hashed.
+
+Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
+
+* ``{kind}.{g}.mean``        float32 ``[p_g]``
+* ``{kind}.{g}.basis``       float32 ``[k, p_g]`` — rows are components (the one orientation in kvtc)
+* ``{kind}.{g}.eigenvalues`` float32 ``[k]``
+
+The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
+RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
+per kind and group, free-form statistics, and ``hash``: the SHA-256 of the canonical JSON (without
+``hash``) followed by every tensor's name, dtype, shape and bytes in name order. Loading recomputes the
+hash and validates every shape before anything is used; it never executes code (no pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from .. import __version__
+from ..errors import CalibrationError, CalibrationMismatch, LayoutError
+from ..layout import KVLayout, PCAGrouping
+from .dp import Plan
+from .pca import PCAResult
+
+FORMAT_NAME = "kvtc-calibration"
+FORMAT_VERSION = 1
+KINDS = ("keys", "values")
+#: bound on the JSON metadata we are willing to parse
+MAX_META_BYTES = 64 << 20
+
+
+def ratio_key(ratio: float) -> str:
+    """Canonical text of a target ratio (``16`` -> ``"16"``, ``2.5`` -> ``"2.5"``)."""
+    r = float(ratio)
+    if not r > 0:
+        raise CalibrationError(f"compression ratio must be positive, got {ratio}")
+    return format(r, "g")
+
+
+@dataclass
+class Calibration:
+    """Everything the codec needs about a model: PCA bases and bit plans, per kind and PCA group.
+
+    ``pcas[kind][g]`` is a :class:`PCAResult`; ``plans[ratio_key][kind][g]`` a :class:`Plan`.
+    """
+
+    layout: KVLayout
+    grouping: PCAGrouping
+    pcas: dict[str, list[PCAResult]]
+    plans: dict[str, dict[str, list[Plan]]]
+    rope: dict[str, Any] | None = None
+    model_id: str = ""
+    corpus: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    library_version: str = __version__
+
+    def __post_init__(self) -> None:
+        self._columns = self.grouping.columns(self.layout)
+        self.validate()
+        self.hash = self._compute_hash()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def columns(self) -> list[torch.Tensor]:
+        """Feature columns of each PCA group."""
+        return self._columns
+
+    @property
+    def ratios(self) -> list[float]:
+        return sorted(float(r) for r in self.plans)
+
+    def plan(self, ratio: float, kind: str, group: int) -> Plan:
+        return self.plans_for(ratio)[kind][group]
+
+    def plans_for(self, ratio: float) -> dict[str, list[Plan]]:
+        key = ratio_key(ratio)
+        if key not in self.plans:
+            have = ", ".join(ratio_key(r) for r in self.ratios) or "none"
+            raise CalibrationError(
+                f"this calibration has no bit plan for ratio {key} (it has: {have}); "
+                f"pick one of those or recalibrate with `kvtc calibrate --ratios ... {key}`"
+            )
+        return self.plans[key]
+
+    @property
+    def fingerprint(self) -> str:
+        """Short form of the content hash, used to name the calibration in blobs and store keys."""
+        return self.hash[:16]
+
+    def check_layout(self, layout: KVLayout) -> None:
+        """Refuse KV of another shape than the calibration's (heads may be a subset: a TP shard)."""
+        mine = self.layout
+        if (layout.layers, layout.num_kv_heads, layout.head_dim) != (mine.layers, mine.num_kv_heads, mine.head_dim):
+            raise CalibrationMismatch(
+                f"KV layout (layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim "
+                f"{layout.head_dim}) does not match the calibration's (layers {_short(mine.layers)}, "
+                f"{mine.num_kv_heads} KV heads, head_dim {mine.head_dim}); use a calibration made for this model"
+            )
+        if layout.heads != mine.heads:
+            raise CalibrationMismatch(
+                f"KV heads {layout.heads} differ from the calibration's {mine.heads}; "
+                "slice the calibration for this shard with `calibration.shard(heads)`"
+            )
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if set(self.pcas) != set(KINDS):
+            raise CalibrationError(f"calibration must have PCAs for {KINDS}, has {sorted(self.pcas)}")
+        ngroups = len(self._columns)
+        for kind in KINDS:
+            if len(self.pcas[kind]) != ngroups:
+                raise CalibrationError(f"{kind}: {len(self.pcas[kind])} PCA groups, grouping implies {ngroups}")
+            for g, (pca, cols) in enumerate(zip(self.pcas[kind], self._columns)):
+                pg = cols.numel()
+                if pca.mean.shape != (pg,) or pca.basis.dim() != 2 or pca.basis.shape[1] != pg:
+                    raise CalibrationError(
+                        f"{kind} group {g}: basis must be [k, {pg}] and mean [{pg}], got "
+                        f"{tuple(pca.basis.shape)} and {tuple(pca.mean.shape)}"
+                    )
+                if pca.basis.shape[0] > pg or pca.basis.shape[0] == 0:
+                    raise CalibrationError(f"{kind} group {g}: basis has {pca.basis.shape[0]} rows for p={pg}")
+                for name, t in (("mean", pca.mean), ("basis", pca.basis), ("eigenvalues", pca.eigenvalues)):
+                    if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+                        raise CalibrationError(f"{kind} group {g}: {name} must be finite float32")
+        for key, by_kind in self.plans.items():
+            if set(by_kind) != set(KINDS):
+                raise CalibrationError(f"ratio {key}: plans must cover {KINDS}")
+            for kind in KINDS:
+                if len(by_kind[kind]) != ngroups:
+                    raise CalibrationError(f"ratio {key} {kind}: {len(by_kind[kind])} plans for {ngroups} groups")
+                for g, plan in enumerate(by_kind[kind]):
+                    if plan.num_components > self.pcas[kind][g].basis.shape[0]:
+                        raise CalibrationError(f"ratio {key} {kind} group {g}: plan needs more components than the basis")
+
+    # ------------------------------------------------------------------ serialisation
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "library_version": self.library_version,
+            "layout": self.layout.to_dict(),
+            "grouping": self.grouping.to_dict(),
+            "rope": self.rope,
+            "model_id": self.model_id,
+            "corpus": self.corpus,
+            "stats": self.stats,
+            "pca": {
+                kind: [{"total_variance": p.total_variance, "samples": p.samples} for p in self.pcas[kind]]
+                for kind in KINDS
+            },
+            "plans": {
+                key: {kind: [pl.to_dict() for pl in by_kind[kind]] for kind in KINDS}
+                for key, by_kind in sorted(self.plans.items())
+            },
+        }
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for kind in KINDS:
+            for g, p in enumerate(self.pcas[kind]):
+                out[f"{kind}.{g}.mean"] = p.mean.contiguous()
+                out[f"{kind}.{g}.basis"] = p.basis.contiguous()
+                out[f"{kind}.{g}.eigenvalues"] = p.eigenvalues.contiguous()
+        return out
+
+    def _compute_hash(self) -> str:
+        return _content_hash(self._meta(), self._tensors())
+
+    def to_bytes(self) -> bytes:
+        meta = self._meta()
+        meta["hash"] = self.hash
+        return save(self._tensors(), metadata={"kvtc": json.dumps(meta, sort_keys=True)})
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write atomically (temp file, fsync, rename): a crash never leaves a half-written calibration."""
+        path = Path(path)
+        data = self.to_bytes()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Calibration:
+        """Load and fully validate a calibration file. Raises :class:`CalibrationError` on anything wrong."""
+        path = Path(path)
+        if not path.is_file():
+            raise CalibrationError(f"calibration file {path} does not exist; create one with `kvtc calibrate`")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta_raw = (f.metadata() or {}).get("kvtc")
+                if meta_raw is None:
+                    raise CalibrationError(f"{path} is a safetensors file but not a kvtc calibration")
+                if len(meta_raw) > MAX_META_BYTES:
+                    raise CalibrationError(f"{path}: calibration metadata too large")
+                meta = _parse_meta(meta_raw, path)
+                expected = _expected_tensor_names(meta)
+                names = set(f.keys())
+                if names != expected:
+                    raise CalibrationError(
+                        f"{path}: tensors {sorted(names ^ expected)[:4]} missing or unexpected; the file is corrupt"
+                    )
+                tensors = {name: f.get_tensor(name) for name in sorted(names)}
+        except SafetensorError as e:
+            raise CalibrationError(f"{path} is not a readable calibration file ({e}); recreate it") from None
+        except (OSError, ValueError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
+        return cls.from_parts(meta, tensors, source=str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Calibration:
+        from safetensors.torch import load
+
+        try:
+            tensors = load(data)
+        except Exception as e:  # safetensors raises several types for garbage input
+            raise CalibrationError(f"not a calibration: {e}") from None
+        # metadata: read it from the header (safetensors.torch.load drops it)
+        if len(data) < 8:
+            raise CalibrationError("not a calibration: too short")
+        n = int.from_bytes(data[:8], "little")
+        if n > min(len(data) - 8, MAX_META_BYTES):
+            raise CalibrationError("not a calibration: bad header length")
+        try:
+            header = json.loads(data[8 : 8 + n])
+            meta_raw = header["__metadata__"]["kvtc"]
+        except (ValueError, KeyError, TypeError):
+            raise CalibrationError("not a kvtc calibration (no kvtc metadata)") from None
+        meta = _parse_meta(meta_raw, "<bytes>")
+        if set(tensors) != _expected_tensor_names(meta):
+            raise CalibrationError("calibration tensors do not match its metadata")
+        return cls.from_parts(meta, tensors, source="<bytes>")
+
+    @classmethod
+    def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: str) -> Calibration:
+        try:
+            layout = KVLayout.from_dict(meta["layout"])
+            grouping = PCAGrouping.from_dict(meta["grouping"])
+            pcas: dict[str, list[PCAResult]] = {}
+            for kind in KINDS:
+                pcas[kind] = []
+                for g, info in enumerate(meta["pca"][kind]):
+                    pcas[kind].append(
+                        PCAResult(
+                            tensors[f"{kind}.{g}.mean"],
+                            tensors[f"{kind}.{g}.basis"],
+                            tensors[f"{kind}.{g}.eigenvalues"],
+                            float(info["total_variance"]),
+                            int(info["samples"]),
+                        )
+                    )
+            plans = {
+                str(key): {
+                    kind: [Plan.from_dict(d, pcas[kind][g].basis.shape[0]) for g, d in enumerate(by_kind[kind])]
+                    for kind in KINDS
+                }
+                for key, by_kind in meta["plans"].items()
+            }
+            cal = cls(
+                layout=layout,
+                grouping=grouping,
+                pcas=pcas,
+                plans=plans,
+                rope=meta["rope"],
+                model_id=str(meta["model_id"]),
+                corpus=dict(meta["corpus"]),
+                stats=dict(meta["stats"]),
+                library_version=str(meta["library_version"]),
+            )
+        except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`") from None
+        if cal.hash != meta.get("hash"):
+            raise CalibrationError(
+                f"{source}: content hash mismatch (file corrupt or edited); recreate it with `kvtc calibrate`"
+            )
+        return cal
+
+    # ------------------------------------------------------------------ derived calibrations
+    def shard(self, heads: tuple[int, ...]) -> Calibration:
+        """The calibration of a tensor-parallel rank holding ``heads``.
+
+        Only possible when every PCA group lies within the shard (``PCAGrouping("head_shards", n)``)."""
+        layout = self.layout.shard(heads)
+        sub_cols = {c for layer in layout.layers for h in layout.heads for c in self.layout.pair_columns(layer, h)}
+        keep = [g for g, cols in enumerate(self._columns) if set(cols.tolist()) <= sub_cols]
+        if sum(self._columns[g].numel() for g in keep) != len(sub_cols):
+            raise CalibrationMismatch(
+                f"heads {heads} cut across this calibration's PCA groups ({self.grouping.kind}); "
+                "calibrate with head_shards grouping matching the tensor-parallel size"
+            )
+        n = len(keep)
+        grouping = PCAGrouping("head_shards", n) if n > 1 else PCAGrouping("global")
+        sub = Calibration(
+            layout=layout,
+            grouping=grouping,
+            pcas={k: [self.pcas[k][g] for g in keep] for k in KINDS},
+            plans={r: {k: [by[k][g] for g in keep] for k in KINDS} for r, by in self.plans.items()},
+            rope=self.rope,
+            model_id=self.model_id,
+            corpus=self.corpus,
+            stats={**self.stats, "sharded_from": self.hash},
+            library_version=self.library_version,
+        )
+        if [c.tolist() for c in sub.columns] != [_remap(self.layout, layout, self._columns[g]) for g in keep]:
+            raise CalibrationMismatch("head shard order does not match the calibration's groups")
+        return sub
+
+
+def _remap(full: KVLayout, part: KVLayout, cols: torch.Tensor) -> list[int]:
+    """Columns of ``full`` re-expressed in the feature row of ``part``."""
+    out = []
+    d = full.head_dim
+    for c in cols.tolist():
+        pair = c // d
+        layer = full.layers[pair // len(full.heads)]
+        head = full.heads[pair % len(full.heads)]
+        out.append(part.pair_columns(layer, head)[c % d])
+    return out
+
+
+def _short(layers: tuple[int, ...]) -> str:
+    return str(list(layers)) if len(layers) <= 6 else f"[{layers[0]}..{layers[-1]}] ({len(layers)})"
+
+
+def _parse_meta(raw: str, source: Any) -> dict[str, Any]:
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise CalibrationError(f"{source}: calibration metadata is not valid JSON; recreate the file") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CalibrationError(f"{source} is not a kvtc calibration")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CalibrationError(
+            f"{source}: calibration format version {meta.get('version')} is not supported by this kvtc "
+            f"(reads version {FORMAT_VERSION}); upgrade kvtc or recalibrate"
+        )
+    return meta
+
+
+def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
+    try:
+        return {
+            f"{kind}.{g}.{part}"
+            for kind in KINDS
+            for g in range(len(meta["pca"][kind]))
+            for part in ("mean", "basis", "eigenvalues")
+        }
+    except (KeyError, TypeError):
+        raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None
+
+
+def _content_hash(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    meta = {k: v for k, v in meta.items() if k != "hash"}
+    h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,297 @@
+"""Bit allocation by dynamic programming (KVTC §3, ALGORITHM.md step 5).
+
+The components of a PCA basis are walked in order and cut into consecutive *groups*; each group gets a
+size from ``sizes`` and a type from {dropped, int2, int4, fp8}. A kept group costs
+``size * bits(type) + 32`` bits per token (the fp16 shift and scale count). The objective is the squared
+error *measured* by running the real quantizer (:mod:`kvtc.quant`) on calibration coefficient rows,
+not an analytic model. Because the basis is orthonormal, that error equals the error in feature space
+(plus the energy of components beyond the basis' rank, a constant for a given basis).
+
+**(ours)** A group of size ``g`` starts at a multiple of ``g`` (aligned groups). This makes the error of
+every candidate group computable in one vectorized pass per (size, type) — ``O(rows · k)`` instead of
+``O(rows · k · g)`` — and the DP is exact over that plan space (tests check it against brute force).
+
+Table: ``best[j, b]`` = least error of coding components ``[0, j)`` with exactly ``b`` budget units,
+``choice[j, b]`` the candidate that ended there. A unit is 2 bits (every cost is even) unless the budget
+would need more than ``max_columns`` units; then costs are rounded *up* to a coarser unit, so a plan never
+exceeds its budget, at the price of exactness (recorded in the plan).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..quant import DROP, FP8, INT2, INT4, TYPE_NAMES, group_bits, squared_error
+from ..errors import CalibrationError
+
+#: the paper's group sizes and quantization types
+DEFAULT_SIZES: tuple[int, ...] = (1, 16, 64, 256, 1024)
+DEFAULT_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
+#: calibration rows on which errors are measured (ALGORITHM.md: 1,024 rows)
+DEFAULT_DP_ROWS = 1024
+#: widest budget axis before costs are coarsened
+DEFAULT_MAX_COLUMNS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A bit plan for one PCA group: run-length ``segments`` of ``(size, type, repeat)`` in component order.
+
+    The segments cover components ``[0, num_components)``; every component past them is dropped.
+
+    ``predicted_error`` is the DP's summed squared error on its ``rows`` calibration rows (PCA space,
+    components beyond the basis excluded).
+    """
+
+    segments: tuple[tuple[int, int, int], ...]
+    predicted_error: float = 0.0
+    rows: int = 0
+    exact: bool = True
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def groups(self) -> list[tuple[int, int, int]]:
+        """Expanded ``(start, size, type)`` of every group, dropped ones included."""
+        out, pos = [], 0
+        for size, qtype, rep in self.segments:
+            for _ in range(rep):
+                out.append((pos, size, qtype))
+                pos += size
+        return out
+
+    @property
+    def num_components(self) -> int:
+        return sum(size * rep for size, _, rep in self.segments)
+
+    @property
+    def kept_components(self) -> int:
+        """One past the last component a kept group covers: the basis rows the plan needs."""
+        end = 0
+        for start, size, qtype in self.groups():
+            if qtype != DROP:
+                end = start + size
+        return end
+
+    @property
+    def bits_per_token(self) -> int:
+        return sum(group_bits(size, qtype) * rep for size, qtype, rep in self.segments)
+
+    def type_counts(self) -> dict[str, int]:
+        counts = {name: 0 for name in TYPE_NAMES.values()}
+        for size, qtype, rep in self.segments:
+            counts[TYPE_NAMES[qtype]] += size * rep
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "segments": [list(s) for s in self.segments],
+            "predicted_error": self.predicted_error,
+            "rows": self.rows,
+            "exact": self.exact,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, num_components: int) -> Plan:
+        try:
+            segs = tuple((int(a), int(b), int(c)) for a, b, c in d["segments"])
+            plan = cls(
+                segments=segs,
+                predicted_error=float(d["predicted_error"]),
+                rows=int(d["rows"]),
+                exact=bool(d["exact"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"malformed bit plan: {e!r}; recalibrate with `kvtc calibrate`") from None
+        for size, qtype, rep in segs:
+            if size <= 0 or rep <= 0 or qtype not in TYPE_NAMES:
+                raise CalibrationError(f"malformed bit plan segment {(size, qtype, rep)}")
+        if plan.num_components > num_components:
+            raise CalibrationError(
+                f"bit plan covers {plan.num_components} components, the basis has only {num_components}"
+            )
+        if any(start % size for start, size, _ in plan.groups()):
+            raise CalibrationError("bit plan has an unaligned group; the file is corrupt")
+        return plan
+
+
+def _run_length(groups: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Run-length segments of ``(size, type)`` groups, trailing dropped components cut off."""
+    groups = list(groups)
+    while groups and groups[-1][1] == DROP:
+        groups.pop()
+    segs: list[list[int]] = []
+    for size, qtype in groups:
+        if segs and segs[-1][0] == size and segs[-1][1] == qtype:
+            segs[-1][2] += 1
+        else:
+            segs.append([size, qtype, 1])
+    return tuple(tuple(s) for s in segs)  # type: ignore[misc]
+
+
+def candidate_errors(
+    coeffs: torch.Tensor, sizes: Sequence[int] = DEFAULT_SIZES, types: Sequence[int] = DEFAULT_TYPES
+) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
+    """Measured errors of every candidate group.
+
+    ``coeffs``: ``[rows, k]`` PCA coefficients. Returns the per-component error of dropping ``[k]`` and,
+    per ``(size, type)``, the error of each aligned group ``[k // size]`` (float64).
+    """
+    if coeffs.dim() != 2:
+        raise CalibrationError(f"coefficient rows must be [rows, k], got {tuple(coeffs.shape)}")
+    coeffs = coeffs.float()
+    n, k = coeffs.shape
+    drop = coeffs.double().square().sum(0)
+    errs: dict[tuple[int, int], torch.Tensor] = {}
+    for g in sizes:
+        m = k // g
+        if m == 0:
+            continue
+        x = coeffs[:, : m * g].reshape(n, m, g)
+        for t in types:
+            errs[(g, t)] = squared_error(x, t)
+    return drop, errs
+
+
+def _solve(
+    drop: torch.Tensor,
+    errs: dict[tuple[int, int], torch.Tensor],
+    budget_bits: float,
+    max_columns: int,
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]], int]:
+    """Fill the DP table. Returns (last row of ``best``, ``choice``, candidates, unit)."""
+    k = drop.numel()
+    unit = 2
+    if budget_bits / unit > max_columns:
+        unit = 2 * math.ceil(budget_bits / (2 * max_columns))
+    cols = int(budget_bits // unit) + 1
+    # candidate 0 is "drop one component"
+    cands: list[tuple[int, int, int]] = [(1, DROP, 0)]
+    for (g, t) in errs:
+        cands.append((g, t, math.ceil(group_bits(g, t) / unit)))
+    ring = max(g for g, _, _ in cands) + 1
+    best = np.full((ring, cols), np.inf)
+    best[0, 0] = 0.0
+    choice = np.zeros((k + 1, cols), dtype=np.int16)
+    drop_np = drop.double().numpy()
+    errs_np = {key: v.double().numpy() for key, v in errs.items()}
+    by_size: dict[int, list[int]] = {}
+    for ci, (g, _, _) in enumerate(cands[1:], start=1):
+        by_size.setdefault(g, []).append(ci)
+    m = np.empty(cols)
+    v = np.empty(cols)
+    better = np.empty(cols, dtype=bool)
+    for j in range(1, k + 1):
+        # pairwise minimum over candidates: elementwise ops on the budget axis, no per-element Python
+        np.add(best[(j - 1) % ring], drop_np[j - 1], out=m)
+        arg = choice[j]
+        arg[:] = 0
+        for g, cis in by_size.items():
+            if j % g:
+                continue
+            prev = best[(j - g) % ring]
+            for ci in cis:
+                _, t, cost = cands[ci]
+                if cost >= cols:
+                    continue
+                e = errs_np[(g, t)][(j - g) // g]
+                np.add(prev[: cols - cost], e, out=v[cost:])
+                np.less(v[cost:], m[cost:], out=better[cost:])
+                np.copyto(m[cost:], v[cost:], where=better[cost:])
+                arg[cost:][better[cost:]] = ci
+        best[j % ring] = m
+    return best[k % ring].copy(), choice, cands, unit
+
+
+def _backtrack(choice: np.ndarray, cands: list[tuple[int, int, int]], b: int) -> list[tuple[int, int]]:
+    j = choice.shape[0] - 1
+    groups: list[tuple[int, int]] = []
+    while j > 0:
+        g, t, cost = cands[int(choice[j, b])]
+        groups.append((g, t))
+        j -= g
+        b -= cost
+    groups.reverse()
+    return groups
+
+
+def _check(coeffs: torch.Tensor, sizes: Sequence[int]) -> None:
+    if coeffs.dim() != 2 or coeffs.shape[0] == 0 or coeffs.shape[1] == 0:
+        raise CalibrationError(f"need non-empty [rows, k] coefficients, got {tuple(coeffs.shape)}")
+    if 1 not in sizes:
+        raise CalibrationError("group sizes must include 1 so that every component count is reachable")
+
+
+def allocate(
+    coeffs: torch.Tensor,
+    budget_bits: float,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    types: Sequence[int] = DEFAULT_TYPES,
+    max_columns: int = DEFAULT_MAX_COLUMNS,
+) -> Plan:
+    """Least measured error plan that spends at most ``budget_bits`` bits per token.
+
+    ``coeffs``: ``[rows, k]`` PCA coefficients of calibration rows. For a target ratio ``CR`` on ``p``
+    features stored in 16 bits the budget is ``16 * p / CR`` (see :func:`budget_for_ratio`).
+    """
+    return allocate_many(coeffs, [budget_bits], sizes, types, max_columns)[0]
+
+
+def allocate_many(
+    coeffs: torch.Tensor,
+    budgets_bits: Sequence[float],
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    types: Sequence[int] = DEFAULT_TYPES,
+    max_columns: int = DEFAULT_MAX_COLUMNS,
+) -> list[Plan]:
+    """:func:`allocate` for several budgets, measuring the candidate errors once."""
+    _check(coeffs, sizes)
+    drop, errs = candidate_errors(coeffs, sizes, types)
+    plans = []
+    for budget_bits in budgets_bits:
+        last, choice, cands, unit = _solve(drop, errs, budget_bits, max_columns)
+        b = int(np.argmin(last))
+        groups = _backtrack(choice, cands, b)
+        plans.append(Plan(_run_length(groups), float(last[b]), int(coeffs.shape[0]), exact=unit == 2,
+                          meta={"budget_bits": budget_bits, "unit_bits": unit}))
+    return plans
+
+
+def allocate_for_error(
+    coeffs: torch.Tensor,
+    max_error: float,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    types: Sequence[int] = DEFAULT_TYPES,
+    max_bits: float | None = None,
+    max_columns: int = DEFAULT_MAX_COLUMNS,
+) -> Plan:
+    """Smallest plan (fewest bits per token) whose measured error is at most ``max_error``.
+
+    ``max_bits`` bounds the search (default: ``16 * k``, i.e. no smaller than storing 16-bit values).
+    Raises :class:`CalibrationError` when no plan within ``max_bits`` reaches the error.
+    """
+    _check(coeffs, sizes)
+    k = coeffs.shape[1]
+    max_bits = float(16 * k if max_bits is None else max_bits)
+    drop, errs = candidate_errors(coeffs, sizes, types)
+    last, choice, cands, unit = _solve(drop, errs, max_bits, max_columns)
+    ok = np.flatnonzero(last <= max_error)
+    if ok.size == 0:
+        raise CalibrationError(
+            f"no plan within {max_bits:.0f} bits per token reaches error {max_error:g} "
+            f"(best {float(last.min()):g}); allow more bits or a larger error"
+        )
+    b = int(ok[0])
+    groups = _backtrack(choice, cands, b)
+    return Plan(_run_length(groups), float(last[b]), int(coeffs.shape[0]), exact=unit == 2,
+                meta={"max_error": max_error, "unit_bits": unit})
+
+
+def budget_for_ratio(num_features: int, ratio: float, value_bits: int = 16) -> float:
+    """Bits per token vector for a target compression ratio (paper: ``16 · p / CR``)."""
+    if ratio <= 0:
+        raise CalibrationError(f"compression ratio must be positive, got {ratio}")
+    return value_bits * num_features / ratio

@@ -1,0 +1,176 @@
+"""PCA of feature rows: exact (streamed covariance + eigh) or randomized (streamed subspace iteration).
+
+Basis convention (everywhere in kvtc): ``basis`` is ``[k, p]``, rows are components sorted by decreasing
+eigenvalue, orthonormal; encode is ``(x − µ) @ basisᵀ``, decode ``c @ basis + µ``.
+
+Both paths stream over row chunks, so the calibration data never has to be in memory at once:
+
+* exact (default for ``p ≤ 8192``): one pass accumulates a float64 covariance (rows are centred on a pivot
+  taken from the first chunk before the outer product, to avoid cancellation when means are large), then
+  ``eigh``. Memory ``O(p²)``.
+* randomized (Halko, Martinsson & Tropp 2011; the paper's defaults: 8 power iterations, rank cap 10K):
+  ``2 + power_iters`` passes over a re-iterable source; memory ``O(p · (rank + oversample))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from ..errors import CalibrationError
+
+#: paper defaults
+DEFAULT_POWER_ITERS = 8
+DEFAULT_RANK_CAP = 10_000
+DEFAULT_OVERSAMPLE = 64
+#: largest p for which the exact covariance path is the default
+EXACT_MAX_FEATURES = 8192
+
+RowSource = Callable[[], Iterable[torch.Tensor]]
+
+
+@dataclass
+class PCAResult:
+    """``mean [p]``, ``basis [k, p]`` (rows are components), ``eigenvalues [k]`` (descending),
+    ``total_variance`` (trace of the covariance: the energy a full basis would capture), ``samples``."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+    eigenvalues: torch.Tensor
+    total_variance: float
+    samples: int
+
+    def __post_init__(self) -> None:
+        p = self.mean.numel()
+        if self.mean.dim() != 1 or self.basis.dim() != 2 or self.basis.shape[1] != p:
+            raise CalibrationError(f"basis must be [k, {p}], got {tuple(self.basis.shape)}")
+        if self.eigenvalues.shape != (self.basis.shape[0],):
+            raise CalibrationError("eigenvalues must have one entry per basis row")
+
+    def truncate(self, k: int) -> PCAResult:
+        return PCAResult(self.mean, self.basis[:k].contiguous(), self.eigenvalues[:k].clone(),
+                         self.total_variance, self.samples)
+
+
+class CovarianceAccumulator:
+    """Streaming mean and covariance of ``[rows, p]`` chunks (float64 accumulation)."""
+
+    def __init__(self, p: int, device: torch.device | str = "cpu"):
+        self.p = p
+        self.device = torch.device(device)
+        self.count = 0
+        self.pivot: torch.Tensor | None = None
+        self.sum = torch.zeros(p, dtype=torch.float64, device=self.device)
+        self.outer = torch.zeros(p, p, dtype=torch.float64, device=self.device)
+
+    def update(self, rows: torch.Tensor) -> None:
+        if rows.dim() != 2 or rows.shape[1] != self.p:
+            raise CalibrationError(f"rows must be [n, {self.p}], got {tuple(rows.shape)}")
+        if rows.shape[0] == 0:
+            return
+        rows = rows.to(self.device, torch.float32)
+        if self.pivot is None:
+            self.pivot = rows.mean(0)
+        c = rows - self.pivot
+        self.sum += c.sum(0, dtype=torch.float64)
+        # float32 products per chunk (fast), float64 across chunks (stable)
+        self.outer += (c.T @ c).double()
+        self.count += rows.shape[0]
+
+    def finalize(self, rank: int | None = None) -> PCAResult:
+        if self.count < 2 or self.pivot is None:
+            raise CalibrationError("need at least 2 calibration rows for a PCA")
+        d = self.sum / self.count
+        cov = self.outer / self.count - torch.outer(d, d)
+        cov = 0.5 * (cov + cov.T)
+        evals, evecs = torch.linalg.eigh(cov)
+        order = torch.argsort(evals, descending=True)
+        k = self.p if rank is None else min(rank, self.p)
+        order = order[:k]
+        basis = evecs[:, order].T.contiguous().float()
+        mean = (self.pivot.double() + d).float()
+        return PCAResult(mean.cpu(), basis.cpu(), evals[order].clamp(min=0).float().cpu(),
+                         float(torch.trace(cov).clamp(min=0)), self.count)
+
+
+def _chunks(source: RowSource | Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    yield from (source() if callable(source) else source)
+
+
+def randomized_pca(
+    source: RowSource,
+    p: int,
+    rank: int,
+    power_iters: int = DEFAULT_POWER_ITERS,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> PCAResult:
+    """Top-``rank`` PCA by randomized subspace iteration on the (implicit) covariance.
+
+    ``source()`` must return a fresh iterator over ``[n, p]`` row chunks each time it is called.
+    """
+    device = torch.device(device)
+    rank = min(rank, p)
+    width = min(p, rank + oversample)
+    # pass 1: mean and trace
+    n = 0
+    s = torch.zeros(p, dtype=torch.float64, device=device)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for rows in _chunks(source):
+        rows = rows.to(device, torch.float32)
+        n += rows.shape[0]
+        s += rows.sum(0, dtype=torch.float64)
+        sq += rows.double().square().sum()
+    if n < 2:
+        raise CalibrationError("need at least 2 calibration rows for a PCA")
+    mean = (s / n).float()
+    total = float(sq / n - (s / n).square().sum())
+
+    def cov_times(q: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(p, q.shape[1], dtype=torch.float64, device=device)
+        for rows in _chunks(source):
+            c = rows.to(device, torch.float32) - mean
+            acc += (c.T @ (c @ q)).double()
+        return (acc / n).float()
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(p, width, generator=g).to(device)
+    q, _ = torch.linalg.qr(cov_times(q))
+    for _ in range(power_iters):
+        q, _ = torch.linalg.qr(cov_times(q))
+    t = q.T @ cov_times(q)
+    t = 0.5 * (t + t.T)
+    evals, evecs = torch.linalg.eigh(t.double())
+    order = torch.argsort(evals, descending=True)[:rank]
+    basis = (q.double() @ evecs[:, order]).T
+    # re-orthonormalise in float64 (rows), keeps the [k, p] convention exact to fp32 rounding
+    basis, _ = torch.linalg.qr(basis.T)
+    basis = basis.T.float().contiguous()
+    return PCAResult(mean.cpu(), basis.cpu(), evals[order].clamp(min=0).float().cpu(), max(total, 0.0), n)
+
+
+def fit_pca(
+    source: RowSource | Iterable[torch.Tensor],
+    p: int,
+    rank_cap: int = DEFAULT_RANK_CAP,
+    method: str = "auto",
+    power_iters: int = DEFAULT_POWER_ITERS,
+    oversample: int = DEFAULT_OVERSAMPLE,
+    device: torch.device | str = "cpu",
+) -> PCAResult:
+    """PCA of the rows ``source`` yields; ``method`` is ``"exact"``, ``"randomized"`` or ``"auto"``."""
+    if method == "auto":
+        method = "exact" if p <= EXACT_MAX_FEATURES else "randomized"
+    if method == "exact":
+        acc = CovarianceAccumulator(p, device)
+        for rows in _chunks(source):
+            acc.update(rows)
+        return acc.finalize(rank_cap)
+    if method == "randomized":
+        if not callable(source):
+            raise CalibrationError("randomized PCA needs a re-iterable source: pass a function returning chunks")
+        return randomized_pca(source, p, rank_cap, power_iters, oversample, device)
+    raise CalibrationError(f"unknown PCA method {method!r}; use 'exact', 'randomized' or 'auto'")

@@ -1,0 +1,411 @@
+"""``Codec``: KV slice <-> bytes, with a calibration and a target ratio.
+
+Encode, per sequence: the ``sinks`` oldest and ``window`` newest tokens are stored raw; every other token
+("middle") of keys and values is projected on its PCA group's basis, quantized by the bit plan, packed into
+component-major planes and entropy coded. Decode reverses it; :meth:`Codec.decode_layers` yields one layer
+at a time so an engine can start on layer 0 before the rest is reconstructed.
+
+Sections of a ``kvtc`` blob, in order: ``positions`` (int64 ``[B, T]``), ``raw.keys`` and ``raw.values``
+(protected tokens ``[B, s+w, L, H, D]`` in the slice dtype), then for ``kind`` in keys, values and PCA group
+``g``: ``{kind}.{g}.params`` (fp16 ``[kept groups, 2, N]``: shift then scale, one row of N tokens each) and
+``{kind}.{g}.{int2|int4|fp8}`` (packed planes, component order) for each type the plan uses.
+An ``identity`` blob stores every token in ``raw.*`` and needs no calibration.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..calibration.artifact import KINDS, Calibration, ratio_key
+from ..calibration.dp import Plan
+from ..errors import CalibrationMismatch, FormatError, LayoutError
+from ..layout import DTYPES, KVLayout, KVSlice
+from . import container
+from .entropy import DEFAULT_BACKEND, get_backend
+from .packing import PACKINGS, pack, packed_plane_bytes, unpack
+from ..quant import DROP, FP8, INT2, INT4, TYPE_BITS, TYPE_NAMES, dequantize, quantize
+
+#: the paper's protected tokens: 4 attention sinks, 128 most recent tokens
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 128
+CODED_TYPES = (INT2, INT4, FP8)
+
+
+@dataclass
+class _Bucket:
+    """Kept groups of one (type, size): where their components go in the plane and in the params."""
+
+    qtype: int
+    size: int
+    columns: torch.Tensor  # [n, size] component indices
+    plane_rows: torch.Tensor  # [n * size] rows of the type's plane, component-major
+    param_rows: torch.Tensor  # [n] rows of the params stream
+
+
+@dataclass
+class _PlanLayout:
+    plan: Plan
+    components: int  # basis rows the plan uses
+    kept_groups: int
+    plane_sizes: dict[int, int]  # type -> components in its plane
+    buckets: list[_Bucket]
+
+    @classmethod
+    def build(cls, plan: Plan) -> _PlanLayout:
+        kept = [(start, size, t) for start, size, t in plan.groups() if t != DROP]
+        plane_sizes = {t: 0 for t in CODED_TYPES}
+        plane_row_of: list[int] = []
+        for _, size, t in kept:
+            plane_row_of.append(plane_sizes[t])
+            plane_sizes[t] += size
+        by: dict[tuple[int, int], list[int]] = {}
+        for gi, (_, size, t) in enumerate(kept):
+            by.setdefault((t, size), []).append(gi)
+        buckets = []
+        for (t, size), gis in sorted(by.items()):
+            starts = torch.tensor([kept[g][0] for g in gis], dtype=torch.int64)
+            offs = torch.arange(size, dtype=torch.int64)
+            rows0 = torch.tensor([plane_row_of[g] for g in gis], dtype=torch.int64)
+            buckets.append(
+                _Bucket(t, size, starts[:, None] + offs, (rows0[:, None] + offs).reshape(-1),
+                        torch.tensor(gis, dtype=torch.int64))
+            )
+        return cls(plan, plan.kept_components, len(kept), {t: n for t, n in plane_sizes.items() if n}, buckets)
+
+
+class Codec:
+    """KVTC encoder/decoder for one calibration and target ratio.
+
+    ``Codec(calibration, ratio=16)``; ``encode(slice) -> bytes``; ``decode(bytes) -> KVSlice``;
+    ``inspect(bytes) -> dict``. ``Codec.identity()`` stores raw tokens through the same container.
+    """
+
+    def __init__(
+        self,
+        calibration: Calibration | None,
+        ratio: float | None = 16,
+        sinks: int = DEFAULT_SINKS,
+        window: int = DEFAULT_WINDOW,
+        backend: str = DEFAULT_BACKEND,
+        packing: str = "bits",
+        device: torch.device | str = "cpu",
+    ):
+        if sinks < 0 or window < 0:
+            raise ValueError("sinks and window must be non-negative")
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {PACKINGS}")
+        get_backend(backend)
+        self.calibration = calibration
+        self.mode = "identity" if calibration is None else "kvtc"
+        self.ratio = None if calibration is None else ratio_key(ratio if ratio is not None else 16)
+        self.sinks, self.window = sinks, window
+        self.backend, self.packing = backend, packing
+        self.device = torch.device(device)
+        self._plans: dict[str, list[_PlanLayout]] = {}
+        self._bases: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if calibration is not None:
+            plans = calibration.plans_for(self.ratio)
+            self._plans = {kind: [_PlanLayout.build(p) for p in plans[kind]] for kind in KINDS}
+
+    @classmethod
+    def identity(cls, backend: str = "raw", **kw: Any) -> Codec:
+        """Stores every token raw in the container (debugging, lossless reference paths)."""
+        return cls(None, None, backend=backend, **kw)
+
+    # ------------------------------------------------------------------ helpers
+    def _basis(self, kind: str, g: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (kind, g)
+        if key not in self._bases:
+            pca = self.calibration.pcas[kind][g]  # type: ignore[union-attr]
+            self._bases[key] = (pca.mean.to(self.device), pca.basis.to(self.device))
+        mean, basis = self._bases[key]
+        return mean, basis[:k]
+
+    def _split(self, t: torch.Tensor, s: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T, ...]`` -> (protected ``[B, s+w, ...]``, middle ``[B, T-s-w, ...]``)."""
+        T = t.shape[1]
+        prot = torch.cat([t[:, :s], t[:, T - w :]], dim=1) if w else t[:, :s]
+        return prot, t[:, s : T - w]
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, kv: KVSlice, timings: dict[str, float] | None = None) -> bytes:
+        """Compress a slice (keys pre-RoPE) to a self-describing blob."""
+        kv.validate()
+        lay = kv.layout
+        if kv.keys.dtype != lay.torch_dtype:
+            raise LayoutError(f"slice tensors are {kv.keys.dtype}, its layout says {lay.dtype}")
+        clock = _Clock(timings)
+        B, T = kv.batch, kv.num_tokens
+        if self.calibration is not None:
+            self.calibration.check_layout(lay)
+            sinks, window = self.sinks, self.window
+        else:
+            sinks, window = T, 0
+        header = container.Header(
+            mode=self.mode,
+            calibration=None if self.calibration is None else self.calibration.hash,
+            model_id=kv.model_id,
+            layout=lay,
+            batch=B,
+            tokens=T,
+            sinks=sinks,
+            window=window,
+            ratio=self.ratio,
+            packing=self.packing,
+        )
+        s, w = header.protected
+        payloads: list[tuple[str, bytes]] = [("positions", _le_bytes(kv.positions))]
+        for kind, t in (("keys", kv.keys), ("values", kv.values)):
+            prot, _ = self._split(t, s, w)
+            payloads.append((f"raw.{kind}", _le_bytes(prot)))
+        if self.calibration is not None and header.middle_tokens:
+            for kind, t in (("keys", kv.keys), ("values", kv.values)):
+                _, mid = self._split(t, s, w)
+                with clock("to_rows"):
+                    rows = mid.reshape(-1, lay.num_features).to(self.device, torch.float32)
+                payloads.extend(self._encode_rows(kind, rows, clock))
+        with clock("entropy"):
+            return container.write(header, payloads, self.backend)
+
+    def _encode_rows(self, kind: str, rows: torch.Tensor, clock: _Clock) -> list[tuple[str, bytes]]:
+        out = []
+        n = rows.shape[0]
+        cols_all = self.calibration.columns  # type: ignore[union-attr]
+        for g, pl in enumerate(self._plans[kind]):
+            with clock("project"):
+                x = rows if len(cols_all) == 1 else rows[:, cols_all[g].to(rows.device)]
+                mean, basis = self._basis(kind, g, pl.components)
+                coeffs = (x - mean) @ basis.T
+            with clock("quantize"):
+                params = torch.empty((pl.kept_groups, 2, n), dtype=torch.float16, device=rows.device)
+                planes = {t: torch.empty((c, n), dtype=torch.uint8, device=rows.device) for t, c in pl.plane_sizes.items()}
+                for b in pl.buckets:
+                    x = coeffs[:, b.columns.to(rows.device)]  # [n, groups, size]
+                    sym, shift, scale = quantize(x, b.qtype)
+                    params[b.param_rows.to(rows.device), 0] = shift.T
+                    params[b.param_rows.to(rows.device), 1] = scale.T
+                    planes[b.qtype][b.plane_rows.to(rows.device)] = sym.permute(1, 2, 0).reshape(-1, n)
+            with clock("pack"):
+                out.append((f"{kind}.{g}.params", _le_bytes(params)))
+                for t in CODED_TYPES:
+                    if t in planes:
+                        out.append((f"{kind}.{g}.{TYPE_NAMES[t]}", _le_bytes(pack(planes[t].cpu(), TYPE_BITS[t], self.packing))))
+        return out
+
+    # ------------------------------------------------------------------ decode
+    def _open(self, blob: bytes) -> tuple[container.Header, dict[str, bytes]]:
+        header, body = container.read_header(blob)
+        if header.mode == "kvtc":
+            cal = self.calibration
+            if cal is None or header.calibration != cal.hash:
+                raise CalibrationMismatch(
+                    f"blob was encoded with calibration {str(header.calibration)[:16]}, this codec has "
+                    f"{'none' if cal is None else cal.fingerprint}; decode with the calibration that encoded it"
+                )
+            cal.check_layout(header.layout)
+            if header.ratio is None or header.ratio not in cal.plans:
+                raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
+        expected = self._expected_sections(header)
+        return header, container.read_sections(blob, header, body, expected)
+
+    def _expected_sections(self, h: container.Header) -> dict[str, int]:
+        lay = h.layout
+        esize = torch.empty((), dtype=DTYPES[lay.dtype]).element_size()
+        s, w = h.protected
+        exp = {"positions": 8 * h.batch * h.tokens}
+        for kind in KINDS:
+            exp[f"raw.{kind}"] = h.batch * (s + w) * lay.num_features * esize
+        if h.mode == "kvtc" and h.middle_tokens:
+            n = h.batch * h.middle_tokens
+            plans = {kind: [_PlanLayout.build(p) for p in self.calibration.plans[h.ratio][kind]] for kind in KINDS}  # type: ignore[union-attr,index]
+            for kind in KINDS:
+                for g, pl in enumerate(plans[kind]):
+                    exp[f"{kind}.{g}.params"] = pl.kept_groups * 2 * n * 2
+                    for t in CODED_TYPES:
+                        if t in pl.plane_sizes:
+                            exp[f"{kind}.{g}.{TYPE_NAMES[t]}"] = pl.plane_sizes[t] * packed_plane_bytes(n, TYPE_BITS[t], h.packing)
+        return exp
+
+    def decode(self, blob: bytes, timings: dict[str, float] | None = None) -> KVSlice:
+        """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype)."""
+        clock = _Clock(timings)
+        with clock("parse"):
+            header, secs = self._open(blob)
+        lay = header.layout
+        B, T = header.batch, header.tokens
+        s, w = header.protected
+        dt = DTYPES[lay.dtype]
+        shape = (B, T, len(lay.layers), len(lay.heads), lay.head_dim)
+        positions = _from_le(secs["positions"], torch.int64, (B, T))
+        out = {}
+        for kind in KINDS:
+            prot = _from_le(secs[f"raw.{kind}"], dt, (B, s + w, *shape[2:]))
+            full = torch.empty(shape, dtype=dt)
+            full[:, :s] = prot[:, :s]
+            full[:, T - w :] = prot[:, s:]
+            if header.middle_tokens:
+                rows = self._decode_rows(kind, header, secs, clock)
+                with clock("to_tokens"):
+                    full[:, s : T - w] = rows.to(dt).cpu().reshape(B, header.middle_tokens, *shape[2:])
+            out[kind] = full
+        return KVSlice(lay, out["keys"], out["values"], positions, header.model_id)
+
+    def _coefficients(self, kind: str, g: int, header: container.Header, secs: dict[str, bytes],
+                      clock: _Clock) -> tuple[torch.Tensor, _PlanLayout]:
+        n = header.batch * header.middle_tokens
+        pl = _PlanLayout.build(self.calibration.plans[header.ratio][kind][g])  # type: ignore[union-attr,index]
+        with clock("unpack"):
+            params = _from_le(secs[f"{kind}.{g}.params"], torch.float16, (pl.kept_groups, 2, n)).to(self.device)
+            planes = {}
+            for t, c in pl.plane_sizes.items():
+                per = packed_plane_bytes(n, TYPE_BITS[t], header.packing)
+                packed = _from_le(secs[f"{kind}.{g}.{TYPE_NAMES[t]}"], torch.uint8, (c, per))
+                planes[t] = unpack(packed, n, TYPE_BITS[t], header.packing).to(self.device)
+        with clock("dequantize"):
+            coeffs = torch.zeros((n, pl.components), dtype=torch.float32, device=self.device)
+            for b in pl.buckets:
+                sym = planes[b.qtype][b.plane_rows.to(self.device)].reshape(-1, b.size, n).permute(2, 0, 1)
+                pr = b.param_rows.to(self.device)
+                vals = dequantize(sym, params[pr, 0].T, params[pr, 1].T, b.qtype)
+                coeffs[:, b.columns.to(self.device)] = vals
+        return coeffs, pl
+
+    def _decode_rows(self, kind: str, header: container.Header, secs: dict[str, bytes], clock: _Clock) -> torch.Tensor:
+        n = header.batch * header.middle_tokens
+        cols_all = self.calibration.columns  # type: ignore[union-attr]
+        rows = None
+        if len(cols_all) > 1:
+            rows = torch.empty((n, header.layout.num_features), dtype=torch.float32, device=self.device)
+        for g in range(len(cols_all)):
+            coeffs, pl = self._coefficients(kind, g, header, secs, clock)
+            with clock("project"):
+                mean, basis = self._basis(kind, g, pl.components)
+                x = torch.addmm(mean, coeffs, basis)
+            if rows is None:
+                return x
+            rows[:, cols_all[g].to(self.device)] = x
+        return rows  # type: ignore[return-value]
+
+    def decode_layers(self, blob: bytes) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(real layer index, keys, values)`` with keys/values ``[B, T, heads, head_dim]``, layer by
+        layer: each layer's reconstruction multiplies the coefficients by that layer's basis columns only."""
+        header, secs = self._open(blob)
+        lay = header.layout
+        B, T = header.batch, header.tokens
+        s, w = header.protected
+        dt = DTYPES[lay.dtype]
+        hd = (len(lay.heads), lay.head_dim)
+        prot = {k: _from_le(secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd)) for k in KINDS}
+        coeffs: dict[str, list[tuple[torch.Tensor, _PlanLayout]]] = {}
+        col_index: list[dict[int, int]] = []
+        if header.middle_tokens:
+            clock = _Clock(None)
+            ngroups = len(self.calibration.columns)  # type: ignore[union-attr]
+            coeffs = {k: [self._coefficients(k, g, header, secs, clock) for g in range(ngroups)] for k in KINDS}
+            col_index = [{c: i for i, c in enumerate(cols.tolist())} for cols in self.calibration.columns]  # type: ignore[union-attr]
+        for li, layer in enumerate(lay.layers):
+            out = []
+            for kind in KINDS:
+                full = torch.empty((B, T, *hd), dtype=dt)
+                full[:, :s] = prot[kind][:, :s, li]
+                full[:, T - w :] = prot[kind][:, s:, li]
+                if header.middle_tokens:
+                    x = torch.empty((B * header.middle_tokens, hd[0] * hd[1]), dtype=torch.float32, device=self.device)
+                    lcols = [c for h in lay.heads for c in lay.pair_columns(layer, h)]
+                    for g, (c, pl) in enumerate(coeffs[kind]):
+                        idx = [(j, col_index[g][col]) for j, col in enumerate(lcols) if col in col_index[g]]
+                        if not idx:
+                            continue
+                        dst = torch.tensor([a for a, _ in idx], device=self.device)
+                        src = torch.tensor([b for _, b in idx], device=self.device)
+                        mean, basis = self._basis(kind, g, pl.components)
+                        x[:, dst] = torch.addmm(mean[src], c, basis[:, src])
+                    full[:, s : T - w] = x.to(dt).cpu().reshape(B, header.middle_tokens, *hd)
+                out.append(full)
+            yield layer, out[0], out[1]
+
+    # ------------------------------------------------------------------ inspect
+    @staticmethod
+    def inspect(blob: bytes) -> dict[str, Any]:
+        """Header facts and sizes of a blob, without decoding it (needs no calibration)."""
+        header, body = container.read_header(blob)
+        lay = header.layout
+        esize = torch.empty((), dtype=DTYPES[lay.dtype]).element_size()
+        s, w = header.protected
+        B, T, N = header.batch, header.tokens, header.middle_tokens
+        per_token = 2 * lay.num_features * esize
+        raw_secs = [x for x in header.sections if x.name.startswith("raw.")]
+        coded = [x for x in header.sections if not x.name.startswith("raw.")]
+        overhead = body  # prefix + header
+        mid_orig = B * N * per_token
+        mid_before = overhead + sum(x.raw for x in coded)
+        mid_after = overhead + sum(x.coded for x in coded)
+        return {
+            "mode": header.mode,
+            "calibration": header.calibration,
+            "model_id": header.model_id,
+            "layout": lay.to_dict(),
+            "batch": B,
+            "tokens": T,
+            "sinks": s,
+            "window": w,
+            "middle_tokens": N,
+            "target_ratio": header.ratio,
+            "packing": header.packing,
+            "bytes": len(blob),
+            "header_bytes": overhead,
+            "original_bytes": B * T * per_token,
+            "whole_cache_ratio": B * T * per_token / len(blob),
+            "codec_ratio_before_entropy": mid_orig / mid_before if N else None,
+            "codec_ratio": mid_orig / mid_after if N else None,
+            "bytes_per_middle_token": mid_after / (B * N) if N else None,
+            "raw_bytes": sum(x.coded for x in raw_secs),
+            "sections": [
+                {"name": x.name, "backend": x.backend, "raw": x.raw, "coded": x.coded} for x in header.sections
+            ],
+        }
+
+
+class _Clock:
+    def __init__(self, sink: dict[str, float] | None):
+        self.sink = sink
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        if self.sink is None:
+            yield
+            return
+        if self.sink is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.sink[stage] = self.sink.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def _le_bytes(t: torch.Tensor) -> bytes:
+    """Little-endian bytes of a tensor (the container's byte order on every host)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype in (torch.bfloat16,):
+        a = t.view(torch.int16).numpy()
+    else:
+        a = t.numpy()
+    return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _from_le(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    view_as = {torch.bfloat16: torch.int16}.get(dtype, dtype)
+    np_dtype = torch.empty((), dtype=view_as).numpy().dtype.newbyteorder("<")
+    count = int(np.prod(shape)) if shape else 1
+    if len(data) != count * np_dtype.itemsize:
+        raise FormatError(f"section holds {len(data)} bytes, {count * np_dtype.itemsize} expected")
+    a = np.frombuffer(data, dtype=np_dtype).astype(np_dtype.newbyteorder("="), copy=True)
+    t = torch.from_numpy(a).reshape(shape)
+    return t.view(dtype) if view_as is not dtype else t

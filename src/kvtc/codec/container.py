@@ -1,0 +1,227 @@
+"""Container format v1: the bytes of one compressed KV slice (specified in docs/FORMAT.md).
+
+```
+offset  size  field
+0       4     magic b"KVTC"
+4       2     format version, u16 little-endian (1)
+6       2     flags, u16 (0; any other value is refused)
+8       4     header length H, u32 LE (16 <= H <= MAX_HEADER_BYTES)
+12      4     CRC-32 of the header bytes, u32 LE
+16      H     header: UTF-8 JSON object (see Header)
+16+H    ...   sections, back to back, in the header's order; nothing after the last one
+```
+
+The parser checks magic, version, flags and the header CRC before it parses JSON, validates every header
+field's type and range, bounds every declared size by the token counts and the layout before anything is
+allocated, and checks each section's CRC-32 before its bytes are decoded. It never executes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import FormatError, LayoutError
+from ..layout import KVLayout
+from .entropy import decode_stream, encode_stream
+from .packing import PACKINGS
+
+MAGIC = b"KVTC"
+VERSION = 1
+PREFIX = struct.Struct("<4sHHII")
+MAX_HEADER_BYTES = 1 << 20
+#: absolute caps on what a header may declare (a blob is one slice of one conversation batch)
+MAX_BATCH = 1 << 12
+MAX_TOKENS = 1 << 22
+MAX_SECTIONS = 4096
+MAX_TOTAL_RAW_BYTES = 1 << 36
+MODES = ("kvtc", "identity")
+
+
+@dataclass
+class Section:
+    name: str
+    backend: str
+    raw: int
+    coded: int
+    crc32: int
+
+
+@dataclass
+class Header:
+    """Everything a decoder needs to know before touching the sections."""
+
+    mode: str
+    calibration: str | None
+    model_id: str
+    layout: KVLayout
+    batch: int
+    tokens: int
+    sinks: int
+    window: int
+    ratio: str | None
+    packing: str
+    sections: list[Section] = field(default_factory=list)
+
+    @property
+    def protected(self) -> tuple[int, int]:
+        """(sinks, window) actually stored raw per sequence, given the token count."""
+        s = min(self.sinks, self.tokens)
+        w = min(self.window, self.tokens - s)
+        return s, w
+
+    @property
+    def middle_tokens(self) -> int:
+        s, w = self.protected
+        return self.tokens - s - w
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "calibration": self.calibration,
+            "model_id": self.model_id,
+            "layout": self.layout.to_dict(),
+            "batch": self.batch,
+            "tokens": self.tokens,
+            "sinks": self.sinks,
+            "window": self.window,
+            "ratio": self.ratio,
+            "packing": self.packing,
+            "sections": [[s.name, s.backend, s.raw, s.coded, s.crc32] for s in self.sections],
+        }
+
+
+def write(header: Header, payloads: list[tuple[str, bytes]], backend: str) -> bytes:
+    """Entropy-code each named payload with ``backend`` (raw fallback) and assemble the container."""
+    sections, bodies = [], []
+    for name, data in payloads:
+        used, coded = encode_stream(data, backend)
+        sections.append(Section(name, used, len(data), len(coded), zlib.crc32(coded)))
+        bodies.append(coded)
+    header.sections = sections
+    hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
+    return b"".join([PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies])
+
+
+def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
+    """Parse and validate the prefix and header; returns the header and the body offset."""
+    blob = memoryview(blob)
+    if len(blob) < PREFIX.size:
+        raise FormatError(f"blob is {len(blob)} bytes, shorter than the {PREFIX.size}-byte kvtc prefix (truncated?)")
+    magic, version, flags, hlen, hcrc = PREFIX.unpack_from(blob, 0)
+    if magic != MAGIC:
+        raise FormatError("not a kvtc blob (bad magic); was it written by kvtc?")
+    if version != VERSION:
+        raise FormatError(f"kvtc container version {version} is not supported (this kvtc reads {VERSION}); upgrade kvtc")
+    if flags != 0:
+        raise FormatError(f"unknown container flags {flags:#x}; the blob is corrupt or from a newer kvtc")
+    if not 16 <= hlen <= MAX_HEADER_BYTES:
+        raise FormatError(f"container header length {hlen} out of range; the blob is corrupt")
+    if PREFIX.size + hlen > len(blob):
+        raise FormatError("blob ends inside its header (truncated)")
+    raw = bytes(blob[PREFIX.size : PREFIX.size + hlen])
+    if zlib.crc32(raw) != hcrc:
+        raise FormatError("container header checksum mismatch; the blob is corrupt")
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise FormatError("container header is not valid JSON; the blob is corrupt") from None
+    header = _parse_header(d)
+    body = PREFIX.size + hlen
+    total = sum(s.coded for s in header.sections)
+    if body + total != len(blob):
+        what = "truncated" if body + total > len(blob) else "has trailing bytes"
+        raise FormatError(f"blob {what}: sections need {total} bytes after the header, found {len(blob) - body}")
+    return header, body
+
+
+def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: int,
+                  expected_raw: dict[str, int] | None = None) -> dict[str, bytes]:
+    """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived."""
+    blob = memoryview(blob)
+    if expected_raw is not None:
+        names = [s.name for s in header.sections]
+        if names != list(expected_raw):
+            raise FormatError(f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}")
+    out: dict[str, bytes] = {}
+    off = body
+    for s in header.sections:
+        if expected_raw is not None and expected_raw[s.name] != s.raw:
+            raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
+        chunk = blob[off : off + s.coded]
+        off += s.coded
+        if zlib.crc32(chunk) != s.crc32:
+            raise FormatError(f"section {s.name}: checksum mismatch; the blob is corrupt")
+        out[s.name] = decode_stream(bytes(chunk), s.backend, s.raw)
+    return out
+
+
+def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    if key not in d:
+        raise FormatError(f"container header lacks {key!r}")
+    v = d[key]
+    if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
+        raise FormatError(f"container header field {key!r} has the wrong type")
+    return v
+
+
+def _parse_header(d: Any) -> Header:
+    if not isinstance(d, dict):
+        raise FormatError("container header must be a JSON object")
+    mode = _req(d, "mode", str)
+    if mode not in MODES:
+        raise FormatError(f"unknown codec mode {mode!r}")
+    cal = d.get("calibration")
+    if mode == "kvtc" and not (isinstance(cal, str) and 0 < len(cal) <= 128):
+        raise FormatError("kvtc blob without a calibration hash")
+    if mode == "identity" and cal is not None:
+        raise FormatError("identity blob must not name a calibration")
+    try:
+        layout = KVLayout.from_dict(_req(d, "layout", dict))
+    except LayoutError as e:
+        raise FormatError(f"container layout invalid: {e}") from None
+    batch, tokens = _req(d, "batch", int), _req(d, "tokens", int)
+    sinks, window = _req(d, "sinks", int), _req(d, "window", int)
+    if not (0 <= batch <= MAX_BATCH and 0 <= tokens <= MAX_TOKENS and 0 <= sinks <= MAX_TOKENS and 0 <= window <= MAX_TOKENS):
+        raise FormatError("container token counts out of range")
+    if layout.num_features > 1 << 24:
+        raise FormatError("container layout too large")
+    ratio = d.get("ratio")
+    if ratio is not None and not (isinstance(ratio, str) and len(ratio) <= 32):
+        raise FormatError("container ratio field invalid")
+    packing = _req(d, "packing", str)
+    if packing not in PACKINGS:
+        raise FormatError(f"unknown packing {packing!r}")
+    model_id = _req(d, "model_id", str)
+    if len(model_id) > 4096:
+        raise FormatError("model id too long")
+    secs = _req(d, "sections", list)
+    if len(secs) > MAX_SECTIONS:
+        raise FormatError("too many sections")
+    # largest legitimate section: int64 positions or fp32 tokens, 2 bytes per fp16 param per feature
+    bound = 8 * max(batch * tokens, 1) * layout.num_features + 64
+    sections, seen, total_raw = [], set(), 0
+    for s in secs:
+        if not (isinstance(s, list) and len(s) == 5):
+            raise FormatError("malformed section entry")
+        name, backend, raw, coded, crc = s
+        if not (isinstance(name, str) and 0 < len(name) <= 64 and name not in seen):
+            raise FormatError("malformed or duplicate section name")
+        if not (isinstance(backend, str) and 0 < len(backend) <= 32):
+            raise FormatError("malformed section backend")
+        for v in (raw, coded, crc):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise FormatError(f"section {name}: sizes and checksum must be non-negative integers")
+        if raw > bound or crc > 0xFFFFFFFF or coded > MAX_TOTAL_RAW_BYTES:
+            raise FormatError(f"section {name}: declared size out of range for {batch}x{tokens} tokens")
+        total_raw += raw
+        seen.add(name)
+        sections.append(Section(name, backend, raw, coded, crc))
+    if total_raw > min(2 * bound, MAX_TOTAL_RAW_BYTES):
+        raise FormatError("sections declare more bytes than the slice can hold")
+    return Header(mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections)

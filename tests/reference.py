@@ -1,0 +1,57 @@
+"""A deliberately plain float64 reference of KVTC encode+decode for one plan (the test oracle).
+
+Written independently of kvtc.codec: per-group Python loops, float64 arithmetic, the quantizer
+semantics spelled out from ALGORITHM.md (fp16 shift and scale, scale rounded up so the range is covered).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtc.calibration.dp import Plan
+from kvtc.quant import DROP, FP8, INT2, INT4
+
+F16_MAX = 65504.0
+
+
+def _f16_up(x: torch.Tensor) -> torch.Tensor:
+    h = x.clamp(max=F16_MAX).to(torch.float16).double()
+    nxt = torch.nextafter(h.to(torch.float16), torch.tensor(float("inf"), dtype=torch.float16)).double()
+    return torch.where(h < x, nxt, h)
+
+
+def quantize_dequantize(x: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x: [tokens, size] float64 -> reconstruction, float64."""
+    lo = x.min(dim=1).values
+    hi = x.max(dim=1).values
+    if qtype in (INT2, INT4):
+        levels = 3 if qtype == INT2 else 15
+        shift = lo.clamp(-F16_MAX, F16_MAX).to(torch.float16).double()
+        scale = _f16_up((hi - shift).clamp(min=0) / levels)
+        q = torch.zeros_like(x)
+        ok = scale > 0
+        q[ok] = ((x[ok] - shift[ok, None]) / scale[ok, None]).round().clamp(0, levels)
+        return q * scale[:, None] + shift[:, None]
+    if qtype == FP8:
+        shift = ((hi + lo) / 2).clamp(-F16_MAX, F16_MAX).to(torch.float16).double()
+        amp = torch.maximum(hi - shift, shift - lo).clamp(min=0)
+        scale = _f16_up(amp / 448.0)
+        y = torch.zeros_like(x)
+        ok = scale > 0
+        y[ok] = ((x[ok] - shift[ok, None]) / scale[ok, None]).clamp(-448, 448)
+        y = y.float().to(torch.float8_e4m3fn).double()
+        return y * scale[:, None] + shift[:, None]
+    raise ValueError(qtype)
+
+
+def roundtrip(rows: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """rows [n, p] -> reconstruction [n, p], float64 throughout."""
+    x = rows.double()
+    b = basis.double()
+    d = (x - mean.double()) @ b.T
+    dhat = torch.zeros_like(d)
+    for start, size, qtype in plan.groups():
+        if qtype == DROP:
+            continue
+        dhat[:, start : start + size] = quantize_dequantize(d[:, start : start + size], qtype)
+    return dhat @ b + mean.double()

@@ -1,0 +1,156 @@
+"""Codec round trips on synthetic KV with a known spectrum in a random rotation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtc import KVLayout, KVSlice, PCAGrouping
+from kvtc.calibration import fit_calibration
+from kvtc.codec import Codec
+from kvtc.errors import CalibrationError, CalibrationMismatch, LayoutError
+
+from reference import roundtrip
+from synthetic import LowRankSource, make_slice, rel_err
+
+RATIOS = (2, 4, 8, 16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    layout = KVLayout(layers=(0, 2, 5, 7), num_kv_heads=4, head_dim=32, dtype="float32")
+    p = layout.num_features  # 512
+    ks = LowRankSource(p, decay=1e-3, noise=1e-3, seed=10)
+    vs = LowRankSource(p, decay=1e-2, noise=1e-3, seed=20)
+    kc = [ks.rows(1024) for _ in range(6)]
+    vc = [vs.rows(1024) for _ in range(6)]
+    cal = fit_calibration(layout, kc, vc, ratios=RATIOS, dp_rows=1024)
+    return layout, ks, vs, cal
+
+
+def test_error_falls_with_ratio_reaches_fp8_floor_and_matches_float64_reference(setup):
+    layout, ks, vs, cal = setup
+    krows, vrows = ks.rows(600), vs.rows(600)
+    kv = make_slice(layout, krows, vrows)
+    errors = []
+    for r in sorted(RATIOS, reverse=True):
+        codec = Codec(cal, ratio=r, sinks=0, window=0)
+        out = codec.decode(codec.encode(kv))
+        errs = []
+        for kind, rows, rec in (("keys", krows, out.keys), ("values", vrows, out.values)):
+            rec = rec.reshape(600, -1).double()
+            e = rel_err(rec, rows)
+            errs.append(e)
+            pca = cal.pcas[kind][0]
+            ref = roundtrip(rows, pca.mean, pca.basis, cal.plan(r, kind, 0))
+            ref_err = float((ref - rows.double()).square().sum())
+            # same plan, same reconstruction up to float32 rounding (a handful of symbols may round the other way)
+            assert float((rec - ref).square().sum()) <= 1e-2 * ref_err + 1e-9 * float(rows.double().square().sum())
+            assert e == pytest.approx(ref_err / float(rows.double().square().sum()), rel=0.02)
+        errors.append(max(errs))
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] <= 2e-3  # ratio 2: the fp8 floor
+
+
+def test_rank_reduced_basis_works_through_every_path(setup):
+    layout, ks, vs, cal = setup
+    for kind in ("keys", "values"):
+        k = cal.pcas[kind][0].basis.shape[0]
+        assert cal.pcas[kind][0].basis.shape == (k, layout.num_features)
+    # trailing components are dropped at 64x: the basis was cut to what the plans keep, and the 64x plan
+    # keeps far fewer rows than the basis has
+    kb = cal.pcas["keys"][0].basis.shape[0]
+    assert kb < layout.num_features
+    assert cal.plan(64, "keys", 0).kept_components < kb
+    kv = make_slice(layout, ks.rows(300), vs.rows(300), batch=3)
+    codec = Codec(cal, ratio=64, sinks=4, window=16)
+    blob = codec.encode(kv)
+    out = codec.decode(blob)
+    assert out.keys.shape == kv.keys.shape and out.values.shape == kv.values.shape
+    assert torch.equal(out.positions, kv.positions)
+    assert torch.equal(out.keys[:, :4], kv.keys[:, :4]) and torch.equal(out.values[:, -16:], kv.values[:, -16:])
+    layers = list(codec.decode_layers(blob))
+    assert [l for l, _, _ in layers] == list(layout.layers)
+    assert torch.allclose(torch.stack([k for _, k, _ in layers], 2), out.keys, atol=1e-4)
+    assert torch.allclose(torch.stack([v for _, _, v in layers], 2), out.values, atol=1e-4)
+    # a saved and reloaded calibration gives the same bytes
+    again = Codec(type(cal).from_bytes(cal.to_bytes()), ratio=64, sinks=4, window=16)
+    assert again.encode(kv) == blob
+
+
+def test_achieved_ratio_before_entropy_is_within_5_percent_of_target():
+    layout = KVLayout(layers=tuple(range(8)), num_kv_heads=3, head_dim=64)  # SmolLM2 heads, 8 layers, bf16
+    p = layout.num_features
+    src = LowRankSource(p, decay=1e-3, noise=1e-3, seed=5)
+    rows = [src.rows(1024) for _ in range(2)]
+    cal = fit_calibration(layout, rows, rows, ratios=(8, 16, 32), dp_rows=512)
+    kv = make_slice(layout, src.rows(2048), src.rows(2048))
+    for r in (8, 16, 32):
+        info = Codec.inspect(Codec(cal, ratio=r).encode(kv))
+        assert info["codec_ratio_before_entropy"] == pytest.approx(r, rel=0.05), (r, info)
+        assert info["codec_ratio"] >= info["codec_ratio_before_entropy"]
+        assert info["bytes_per_middle_token"] > 0
+        assert info["whole_cache_ratio"] < info["codec_ratio"]  # sinks and window are stored raw
+        assert info["middle_tokens"] == 2048 - 4 - 128
+
+
+@pytest.mark.parametrize("grouping", [PCAGrouping("layers", 2), PCAGrouping("layers", 1), PCAGrouping("head_shards", 2)])
+def test_pca_groupings_round_trip(grouping):
+    layout = KVLayout(layers=(1, 3, 4), num_kv_heads=4, head_dim=8, dtype="float32")
+    p = layout.num_features
+    src = LowRankSource(p, decay=1e-2, noise=1e-3, seed=7)
+    rows = [src.rows(512) for _ in range(3)]
+    cal = fit_calibration(layout, rows, rows, ratios=(2, 8), grouping=grouping, dp_rows=256)
+    assert len(cal.pcas["keys"]) == len(grouping.groups(layout))
+    x = src.rows(200)
+    kv = make_slice(layout, x, x)
+    codec = Codec(cal, ratio=2, sinks=0, window=0)
+    out = codec.decode(codec.encode(kv))
+    assert rel_err(out.keys, kv.keys) < 2e-3
+    layers = list(codec.decode_layers(codec.encode(kv)))
+    assert torch.allclose(torch.stack([k for _, k, _ in layers], 2), out.keys, atol=1e-4)
+
+
+def test_head_shard_calibration_encodes_a_tensor_parallel_rank():
+    layout = KVLayout(layers=(0, 1), num_kv_heads=4, head_dim=8, dtype="float32")
+    src = LowRankSource(layout.num_features, decay=1e-2, noise=1e-3, seed=8)
+    rows = [src.rows(512) for _ in range(3)]
+    cal = fit_calibration(layout, rows, rows, ratios=(4,), grouping=PCAGrouping("head_shards", 2), dp_rows=256)
+    rank1 = cal.shard((2, 3))
+    assert rank1.layout.heads == (2, 3)
+    full = src.rows(100).reshape(1, 100, 2, 4, 8)
+    part = full[:, :, :, 2:4].reshape(100, -1)
+    kv = make_slice(rank1.layout, part, part)
+    codec = Codec(rank1, ratio=4, sinks=0, window=0)
+    out = codec.decode(codec.encode(kv))
+    assert rel_err(out.keys, kv.keys) < 0.05
+    with pytest.raises(CalibrationMismatch):
+        cal.shard((1, 2))  # cuts across the PCA groups
+    glob = fit_calibration(layout, rows, rows, ratios=(4,), dp_rows=256)
+    with pytest.raises(CalibrationMismatch):
+        glob.shard((0, 1))
+
+
+def test_identity_codec_is_lossless_and_needs_no_calibration(setup):
+    layout, ks, vs, cal = setup
+    kv = make_slice(layout, ks.rows(64), vs.rows(64), batch=2, start=100)
+    blob = Codec.identity(backend="zstd").encode(kv)
+    out = Codec.identity().decode(blob)
+    assert torch.equal(out.keys, kv.keys) and torch.equal(out.values, kv.values)
+    assert torch.equal(out.positions, kv.positions)
+    # a kvtc codec decodes identity blobs too (they name no calibration)
+    assert torch.equal(Codec(cal, ratio=8).decode(blob).keys, kv.keys)
+    assert Codec.inspect(blob)["mode"] == "identity"
+
+
+def test_wrong_inputs_are_refused_with_typed_errors(setup):
+    layout, ks, vs, cal = setup
+    with pytest.raises(CalibrationError, match="no bit plan for ratio 12"):
+        Codec(cal, ratio=12)
+    other = KVLayout(layers=(0, 2, 5, 8), num_kv_heads=4, head_dim=32, dtype="float32")
+    x = ks.rows(10)
+    with pytest.raises(CalibrationMismatch):
+        Codec(cal, ratio=8).encode(make_slice(other, x, x))
+    bad = x.reshape(1, 10, 4, 4, 32)[..., :-1].contiguous()
+    with pytest.raises(LayoutError):
+        KVSlice(layout, bad, bad, torch.arange(10)[None])

@@ -1,0 +1,140 @@
+"""The DP bit allocator is optimal (vs exhaustive search) and its predictions equal measured errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from kvtc.calibration.dp import (
+    Plan,
+    allocate,
+    allocate_for_error,
+    allocate_many,
+    budget_for_ratio,
+    candidate_errors,
+)
+from kvtc.errors import CalibrationError
+from kvtc.quant import DROP, FP8, INT2, INT4, dequantize, group_bits, quantize
+
+SIZES = (1, 2, 4)
+TYPES = (INT2, INT4, FP8)
+
+
+def brute_force(coeffs: torch.Tensor, budget: float) -> float:
+    """Least error over every aligned partition of the k components into typed groups."""
+    k = coeffs.shape[1]
+    drop, errs = candidate_errors(coeffs, SIZES, TYPES)
+    best = math.inf
+
+    def rec(j: int, bits: int, err: float) -> None:
+        nonlocal best
+        if bits > budget:
+            return
+        if j == k:
+            best = min(best, err)
+            return
+        rec(j + 1, bits, err + float(drop[j]))
+        for g in SIZES:
+            if j % g == 0 and j + g <= k:
+                for t in TYPES:
+                    rec(j + g, bits + group_bits(g, t), err + float(errs[(g, t)][j // g]))
+
+    rec(0, 0, 0.0)
+    return best
+
+
+def test_dp_matches_exhaustive_search_on_random_instances():
+    rnd = random.Random(0)
+    for trial in range(60):
+        k = rnd.randint(1, 8)
+        n = rnd.randint(2, 12)
+        scale = torch.tensor([rnd.uniform(0.01, 10) for _ in range(k)])
+        coeffs = torch.randn(n, k, generator=torch.Generator().manual_seed(trial)) * scale
+        budget = rnd.randint(0, 40 * k)
+        plan = allocate(coeffs, budget, sizes=SIZES, types=TYPES)
+        want = brute_force(coeffs, budget)
+        assert plan.bits_per_token <= budget
+        assert plan.predicted_error == pytest.approx(want, rel=1e-12, abs=1e-12), (trial, k, budget)
+        # the plan's groups really give that error
+        assert _measure(coeffs, plan) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def _measure(coeffs: torch.Tensor, plan: Plan) -> float:
+    total = 0.0
+    covered = 0
+    for start, size, t in plan.groups():
+        x = coeffs[:, start : start + size].unsqueeze(1)
+        if t == DROP:
+            total += float(x.double().square().sum())
+        else:
+            sym, sh, sc = quantize(x, t)
+            total += float((dequantize(sym, sh, sc, t) - x).double().square().sum())
+        covered = start + size
+    total += float(coeffs[:, covered:].double().square().sum())
+    return total
+
+
+def test_error_variant_gives_smallest_plan_meeting_the_error():
+    rnd = random.Random(1)
+    for trial in range(30):
+        k = rnd.randint(1, 7)
+        coeffs = torch.randn(8, k, generator=torch.Generator().manual_seed(100 + trial)) * torch.rand(k) * 5
+        total = float(coeffs.double().square().sum())
+        target = total * rnd.uniform(0.0005, 0.5)
+        plan = allocate_for_error(coeffs, target, sizes=SIZES, types=TYPES, max_bits=40 * k)
+        assert plan.predicted_error <= target
+        # no budget below the plan's bits reaches the target
+        if plan.bits_per_token > 0:
+            cheaper = brute_force(coeffs, plan.bits_per_token - 1)
+            assert cheaper > target
+
+
+def test_error_variant_refuses_unreachable_error():
+    coeffs = torch.randn(16, 4) * 3
+    with pytest.raises(CalibrationError):
+        allocate_for_error(coeffs, 0.0, sizes=SIZES, types=TYPES, max_bits=10)
+
+
+def test_real_size_prediction_equals_measurement_and_budget_holds():
+    k, n = 2048, 256
+    coeffs = torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(1, -3, k)
+    budgets = [budget_for_ratio(k, r) for r in (4, 16, 64)]
+    plans = allocate_many(coeffs, budgets)
+    errs = []
+    for plan, budget in zip(plans, budgets):
+        assert plan.bits_per_token <= budget
+        assert plan.bits_per_token >= 0.97 * budget  # the budget is used, not wasted
+        assert plan.exact
+        assert _measure(coeffs, plan) == pytest.approx(plan.predicted_error, rel=1e-6)
+        errs.append(plan.predicted_error)
+    assert errs[0] < errs[1] < errs[2]
+    # a larger budget spends the trailing components on nothing: they are cut from the plan
+    assert plans[2].kept_components < plans[0].kept_components <= k
+
+
+def test_coarsened_budget_axis_stays_within_budget():
+    coeffs = torch.randn(64, 512, generator=torch.Generator().manual_seed(4)) * torch.logspace(1, -2, 512)
+    budget = budget_for_ratio(512, 4)
+    plan = allocate(coeffs, budget, max_columns=64)
+    assert not plan.exact and plan.meta["unit_bits"] > 2
+    assert plan.bits_per_token <= budget
+    exact = allocate(coeffs, budget)
+    assert exact.predicted_error <= plan.predicted_error * (1 + 1e-12)
+
+
+def test_plan_serialisation_round_trip_and_validation():
+    coeffs = torch.randn(32, 100) * torch.logspace(1, -2, 100)
+    plan = allocate(coeffs, 600)
+    again = Plan.from_dict(plan.to_dict(), 100)
+    assert again.segments == plan.segments and again.predicted_error == plan.predicted_error
+    bad = plan.to_dict()
+    bad["segments"] = [[16, INT4, 10**9]]
+    with pytest.raises(CalibrationError):
+        Plan.from_dict(bad, 100)
+    bad["segments"] = [[1, 1, 1], [16, 2, 1]]  # a 16-group starting at 1 is unaligned
+    with pytest.raises(CalibrationError):
+        Plan.from_dict(bad, 100)

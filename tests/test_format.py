@@ -1,0 +1,129 @@
+"""Container format v1 and calibration files: byte-exact fixtures and rejection of every corruption."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvtc import KVSlice
+from kvtc.calibration import Calibration, fit_calibration
+from kvtc.codec import Codec
+from kvtc.codec import container
+from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def cal():
+    return Calibration.load(FIX / "calibration.safetensors")
+
+
+@pytest.fixture(scope="module")
+def blob():
+    return (FIX / "sample.kvtc").read_bytes()
+
+
+def test_fixture_decodes_byte_exactly_and_reencodes_to_the_same_bytes(cal, blob):
+    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    out = codec.decode(blob)
+    want = load_file(str(FIX / "sample_decoded.safetensors"))
+    for name in ("keys", "values", "positions"):
+        got = getattr(out, name)
+        assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
+    inp = load_file(str(FIX / "sample_input.safetensors"))
+    kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
+    assert codec.encode(kv) == blob
+    info = Codec.inspect(blob)
+    assert info["calibration"] == cal.hash and info["model_id"] == "fixture"
+    assert (info["tokens"], info["sinks"], info["window"], info["middle_tokens"]) == (40, 2, 4, 34)
+    assert info["bytes"] == len(blob)
+
+
+def test_every_single_byte_flip_is_rejected(cal, blob):
+    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    for i in range(len(blob)):
+        bad = bytearray(blob)
+        bad[i] ^= 0xFF
+        with pytest.raises(FormatError):
+            codec.decode(bytes(bad))
+
+
+def test_every_truncation_and_extension_is_rejected(cal, blob):
+    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    for n in range(len(blob)):
+        with pytest.raises(FormatError):
+            codec.decode(blob[:n])
+    with pytest.raises(FormatError):
+        codec.decode(blob + b"\x00")
+
+
+def test_header_with_valid_crc_but_hostile_sizes_is_rejected_before_allocation(cal, blob):
+    header, _ = container.read_header(blob)
+    d = header.to_json()
+    d["tokens"] = 1 << 40
+    _reseal_raises(d, blob)
+    d = header.to_json()
+    d["sections"][0][2] = 1 << 50  # huge raw size
+    _reseal_raises(d, blob)
+    d = header.to_json()
+    d["sections"][1][1] = "../../evil"
+    _reseal_raises(d, blob, decode_with=Codec(cal, ratio=8, sinks=2, window=4))
+    d = header.to_json()
+    d["layout"]["layers"] = [3, 0]
+    _reseal_raises(d, blob)
+
+
+def _reseal_raises(d, blob, decode_with=None):
+    import json
+
+    hdr = json.dumps(d).encode()
+    _, body = container.read_header(blob)
+    rest = blob[body:]
+    new = struct.pack("<4sHHII", b"KVTC", 1, 0, len(hdr), zlib.crc32(hdr)) + hdr + rest
+    with pytest.raises(FormatError):
+        if decode_with is None:
+            container.read_header(new)
+        else:
+            decode_with.decode(new)
+
+
+def test_blob_decoded_with_another_calibration_is_refused(cal, blob):
+    layout = cal.layout
+    g = torch.Generator().manual_seed(9)
+    rows = [torch.randn(300, layout.num_features, generator=g)]
+    other = fit_calibration(layout, rows, rows, ratios=(8,), dp_rows=128)
+    with pytest.raises(CalibrationMismatch):
+        Codec(other, ratio=8).decode(blob)
+    with pytest.raises(CalibrationMismatch):
+        Codec.identity().decode(blob)
+
+
+def test_calibration_file_corruption_is_refused(tmp_path, cal):
+    src = FIX / "calibration.safetensors"
+    data = src.read_bytes()
+    # truncated
+    (tmp_path / "t.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CalibrationError):
+        Calibration.load(tmp_path / "t.safetensors")
+    # one flipped byte in the tensor data: content hash mismatch
+    bad = bytearray(data)
+    bad[-5] ^= 0x01
+    (tmp_path / "f.safetensors").write_bytes(bytes(bad))
+    with pytest.raises(CalibrationError, match="hash"):
+        Calibration.load(tmp_path / "f.safetensors")
+    with pytest.raises(CalibrationError):
+        Calibration.load(tmp_path / "missing.safetensors")
+    (tmp_path / "g.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(CalibrationError):
+        Calibration.load(tmp_path / "g.safetensors")
+    # round trip through save keeps the hash; saving over a good file is atomic
+    shutil.copy(src, tmp_path / "c.safetensors")
+    cal.save(tmp_path / "c.safetensors")
+    assert Calibration.load(tmp_path / "c.safetensors").hash == cal.hash
