@@ -27,7 +27,9 @@ from ..calibration.dp import Plan
 from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVLayout, KVSlice
 from . import container
-from .entropy import DEFAULT_BACKEND, get_backend
+from . import nvcomp as gpu_entropy
+from .entropy import DEFAULT_BACKEND, Precoded, get_backend
+from .. import kernels
 from .packing import PACKINGS, pack, packed_plane_bytes, unpack
 from ..quant import DROP, FP8, INT2, INT4, TYPE_BITS, TYPE_NAMES, dequantize, quantize
 
@@ -35,6 +37,8 @@ from ..quant import DROP, FP8, INT2, INT4, TYPE_BITS, TYPE_NAMES, dequantize, qu
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 128
 CODED_TYPES = (INT2, INT4, FP8)
+#: projection arithmetic on CUDA: "fp32" (the reference's, no TF32) or "bf16" (tensor cores, fp32 accumulate)
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
@@ -46,6 +50,15 @@ class _Bucket:
     columns: torch.Tensor  # [n, size] component indices
     plane_rows: torch.Tensor  # [n * size] rows of the type's plane, component-major
     param_rows: torch.Tensor  # [n] rows of the params stream
+
+    def starts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int32 (first column, first plane row, params row) of each group, for the fused kernels."""
+        key = str(device)
+        cache = self.__dict__.setdefault("_starts", {})
+        if key not in cache:
+            cache[key] = tuple(t.to(device, torch.int32).contiguous() for t in
+                               (self.columns[:, 0], self.plane_rows.view(-1, self.size)[:, 0], self.param_rows))
+        return cache[key]
 
 
 @dataclass
@@ -95,7 +108,10 @@ class Codec:
         backend: str = DEFAULT_BACKEND,
         packing: str = "bits",
         device: torch.device | str = "cpu",
+        precision: str = "fp32",
     ):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}")
         if sinks < 0 or window < 0:
             raise ValueError("sinks and window must be non-negative")
         if packing not in PACKINGS:
@@ -107,6 +123,8 @@ class Codec:
         self.sinks, self.window = sinks, window
         self.backend, self.packing = backend, packing
         self.device = torch.device(device)
+        self.precision = precision
+        self._fused = self.device.type == "cuda" and kernels.available(self.device)
         self._plans: dict[str, list[_PlanLayout]] = {}
         self._bases: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if calibration is not None:
@@ -125,7 +143,26 @@ class Codec:
             pca = self.calibration.pcas[kind][g]  # type: ignore[union-attr]
             self._bases[key] = (pca.mean.to(self.device), pca.basis.to(self.device))
         mean, basis = self._bases[key]
+        if self._fused and self.precision == "bf16":
+            bkey = (kind, g, "bf16")
+            if bkey not in self._bases:
+                self._bases[bkey] = (mean, basis.to(torch.bfloat16))
+            basis = self._bases[bkey][1]
         return mean, basis[:k]
+
+    def _project(self, x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``(x − µ) @ basisᵀ`` in the codec's precision (fp32: the reference arithmetic, TF32 off)."""
+        if self._fused and self.precision == "bf16":
+            return _mm_f32((x.to(torch.bfloat16) - mean.to(torch.bfloat16)), basis.T)
+        with _no_tf32():
+            return (x.float() - mean) @ basis.T
+
+    def _reconstruct(self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``coeffs @ basis + µ`` in the codec's precision."""
+        if self._fused and self.precision == "bf16":
+            return torch.addmm(mean.to(torch.bfloat16), coeffs.to(torch.bfloat16), basis)
+        with _no_tf32():
+            return torch.addmm(mean, coeffs, basis)
 
     def _split(self, t: torch.Tensor, s: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T, ...]`` -> (protected ``[B, s+w, ...]``, middle ``[B, T-s-w, ...]``)."""
@@ -160,18 +197,44 @@ class Codec:
             packing=self.packing,
         )
         s, w = header.protected
-        payloads: list[tuple[str, bytes]] = [("positions", _le_bytes(kv.positions))]
+        payloads: list[tuple[str, Any]] = [("positions", _le_bytes(kv.positions))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
             prot, _ = self._split(t, s, w)
-            payloads.append((f"raw.{kind}", _le_bytes(prot)))
+            payloads.append((f"raw.{kind}", _device_bytes_view(prot) if self._on_fused_device(prot) else _le_bytes(prot)))
         if self.calibration is not None and header.middle_tokens:
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
                 _, mid = self._split(t, s, w)
                 with clock("to_rows"):
-                    rows = mid.reshape(-1, lay.num_features).to(self.device, torch.float32)
+                    rows = mid.reshape(-1, lay.num_features).to(self.device)
+                    if not (self._fused and self.precision == "bf16"):
+                        rows = rows.float()
                 payloads.extend(self._encode_rows(kind, rows, clock))
         with clock("entropy"):
+            payloads = self._host_payloads(payloads, clock)
             return container.write(header, payloads, self.backend)
+
+    def _on_fused_device(self, t: torch.Tensor) -> bool:
+        return self._fused and t.device.type == "cuda"
+
+    def _host_payloads(self, payloads: list[tuple[str, Any]], clock: _Clock) -> list[tuple[str, Any]]:
+        """Device-resident payloads -> entropy-coded on the GPU (when the backend has a GPU coder) or copied
+        to host bytes; what the container writes is the same either way."""
+        dev = [i for i, (_, d) in enumerate(payloads) if isinstance(d, torch.Tensor)]
+        if not dev:
+            return payloads
+        out = list(payloads)
+        coder = gpu_entropy.device_coder(self.backend, self.device)
+        if coder is not None:
+            with clock("gpu_entropy"):
+                coded = coder.compress([payloads[i][1] for i in dev])
+            for i, c in zip(dev, coded):
+                name, d = payloads[i]
+                out[i] = (name, Precoded(self.backend, c, d.numel(), lambda d=d: _host_bytes(d)))
+        else:
+            with clock("to_host"):
+                for i in dev:
+                    out[i] = (payloads[i][0], _host_bytes(payloads[i][1]))
+        return out
 
     def _encode_rows(self, kind: str, rows: torch.Tensor, clock: _Clock) -> list[tuple[str, bytes]]:
         out = []
@@ -181,7 +244,18 @@ class Codec:
             with clock("project"):
                 x = rows if len(cols_all) == 1 else rows[:, cols_all[g].to(rows.device)]
                 mean, basis = self._basis(kind, g, pl.components)
-                coeffs = (x - mean) @ basis.T
+                coeffs = self._project(x, mean, basis)
+            if self._fused:
+                with clock("quantize"):
+                    params = torch.empty((pl.kept_groups, 2, n), dtype=torch.float16, device=rows.device)
+                    planes = {t: torch.empty((c, packed_plane_bytes(n, TYPE_BITS[t], self.packing)), dtype=torch.uint8,
+                                             device=rows.device) for t, c in pl.plane_sizes.items()}
+                    for b in pl.buckets:
+                        kernels.quantize_pack(coeffs, *b.starts(rows.device), b.qtype, b.size, params,
+                                              planes[b.qtype], self.packing)
+                out.append((f"{kind}.{g}.params", params.view(torch.uint8).reshape(-1)))
+                out.extend((f"{kind}.{g}.{TYPE_NAMES[t]}", planes[t].reshape(-1)) for t in CODED_TYPES if t in planes)
+                continue
             with clock("quantize"):
                 params = torch.empty((pl.kept_groups, 2, n), dtype=torch.float16, device=rows.device)
                 planes = {t: torch.empty((c, n), dtype=torch.uint8, device=rows.device) for t, c in pl.plane_sizes.items()}
@@ -199,7 +273,7 @@ class Codec:
         return out
 
     # ------------------------------------------------------------------ decode
-    def _open(self, blob: bytes) -> tuple[container.Header, dict[str, bytes]]:
+    def _open(self, blob: bytes, on_device: bool = False) -> tuple[container.Header, dict[str, Any]]:
         header, body = container.read_header(blob)
         if header.mode == "kvtc":
             cal = self.calibration
@@ -212,6 +286,10 @@ class Codec:
             if header.ratio is None or header.ratio not in cal.plans:
                 raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
         expected = self._expected_sections(header)
+        if on_device and self._fused:
+            coder = gpu_entropy.device_coder(gpu_entropy.NAME, self.device)
+            if coder is not None and any(x.backend == gpu_entropy.NAME for x in header.sections):
+                return header, gpu_entropy.read_sections(blob, header, body, expected, coder)
         return header, container.read_sections(blob, header, body, expected)
 
     def _expected_sections(self, h: container.Header) -> dict[str, int]:
@@ -232,27 +310,30 @@ class Codec:
                             exp[f"{kind}.{g}.{TYPE_NAMES[t]}"] = pl.plane_sizes[t] * packed_plane_bytes(n, TYPE_BITS[t], h.packing)
         return exp
 
-    def decode(self, blob: bytes, timings: dict[str, float] | None = None) -> KVSlice:
-        """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype)."""
+    def decode(self, blob: bytes, timings: dict[str, float] | None = None,
+               device: torch.device | str | None = None) -> KVSlice:
+        """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
+        (default: CPU)."""
         clock = _Clock(timings)
+        out_dev = torch.device(device) if device is not None else torch.device("cpu")
         with clock("parse"):
-            header, secs = self._open(blob)
+            header, secs = self._open(blob, on_device=True)
         lay = header.layout
         B, T = header.batch, header.tokens
         s, w = header.protected
         dt = DTYPES[lay.dtype]
         shape = (B, T, len(lay.layers), len(lay.heads), lay.head_dim)
-        positions = _from_le(secs["positions"], torch.int64, (B, T))
+        positions = _section(secs["positions"], torch.int64, (B, T), out_dev)
         out = {}
         for kind in KINDS:
-            prot = _from_le(secs[f"raw.{kind}"], dt, (B, s + w, *shape[2:]))
-            full = torch.empty(shape, dtype=dt)
+            prot = _section(secs[f"raw.{kind}"], dt, (B, s + w, *shape[2:]), out_dev)
+            full = torch.empty(shape, dtype=dt, device=out_dev)
             full[:, :s] = prot[:, :s]
             full[:, T - w :] = prot[:, s:]
             if header.middle_tokens:
                 rows = self._decode_rows(kind, header, secs, clock)
                 with clock("to_tokens"):
-                    full[:, s : T - w] = rows.to(dt).cpu().reshape(B, header.middle_tokens, *shape[2:])
+                    full[:, s : T - w] = rows.to(dt).to(out_dev).reshape(B, header.middle_tokens, *shape[2:])
             out[kind] = full
         return KVSlice(lay, out["keys"], out["values"], positions, header.model_id)
 
@@ -260,6 +341,19 @@ class Codec:
                       clock: _Clock) -> tuple[torch.Tensor, _PlanLayout]:
         n = header.batch * header.middle_tokens
         pl = _PlanLayout.build(self.calibration.plans[header.ratio][kind][g])  # type: ignore[union-attr,index]
+        if self._fused:
+            with clock("unpack"):
+                params = _section(secs[f"{kind}.{g}.params"], torch.float16, (pl.kept_groups, 2, n), self.device)
+                planes = {t: _section(secs[f"{kind}.{g}.{TYPE_NAMES[t]}"], torch.uint8,
+                                      (c, packed_plane_bytes(n, TYPE_BITS[t], header.packing)), self.device)
+                          for t, c in pl.plane_sizes.items()}
+            with clock("dequantize"):
+                cdt = torch.bfloat16 if self.precision == "bf16" else torch.float32
+                coeffs = torch.zeros((n, pl.components), dtype=cdt, device=self.device)
+                for b in pl.buckets:
+                    kernels.unpack_dequantize(coeffs, *b.starts(self.device), b.qtype, b.size, params,
+                                              planes[b.qtype], header.packing)
+            return coeffs, pl
         with clock("unpack"):
             params = _from_le(secs[f"{kind}.{g}.params"], torch.float16, (pl.kept_groups, 2, n)).to(self.device)
             planes = {}
@@ -286,22 +380,25 @@ class Codec:
             coeffs, pl = self._coefficients(kind, g, header, secs, clock)
             with clock("project"):
                 mean, basis = self._basis(kind, g, pl.components)
-                x = torch.addmm(mean, coeffs, basis)
+                x = self._reconstruct(coeffs, mean, basis)
             if rows is None:
                 return x
             rows[:, cols_all[g].to(self.device)] = x
         return rows  # type: ignore[return-value]
 
-    def decode_layers(self, blob: bytes) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Yield ``(real layer index, keys, values)`` with keys/values ``[B, T, heads, head_dim]``, layer by
-        layer: each layer's reconstruction multiplies the coefficients by that layer's basis columns only."""
-        header, secs = self._open(blob)
+    def decode_layers(self, blob: bytes, device: torch.device | str | None = None
+                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(real layer index, keys, values)`` with keys/values ``[B, T, heads, head_dim]`` on ``device``
+        (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
+        layer's basis columns only."""
+        out_dev = torch.device(device) if device is not None else torch.device("cpu")
+        header, secs = self._open(blob, on_device=True)
         lay = header.layout
         B, T = header.batch, header.tokens
         s, w = header.protected
         dt = DTYPES[lay.dtype]
         hd = (len(lay.heads), lay.head_dim)
-        prot = {k: _from_le(secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd)) for k in KINDS}
+        prot = {k: _section(secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd), out_dev) for k in KINDS}
         coeffs: dict[str, list[tuple[torch.Tensor, _PlanLayout]]] = {}
         col_index: list[dict[int, int]] = []
         if header.middle_tokens:
@@ -312,7 +409,7 @@ class Codec:
         for li, layer in enumerate(lay.layers):
             out = []
             for kind in KINDS:
-                full = torch.empty((B, T, *hd), dtype=dt)
+                full = torch.empty((B, T, *hd), dtype=dt, device=out_dev)
                 full[:, :s] = prot[kind][:, :s, li]
                 full[:, T - w :] = prot[kind][:, s:, li]
                 if header.middle_tokens:
@@ -325,8 +422,8 @@ class Codec:
                         dst = torch.tensor([a for a, _ in idx], device=self.device)
                         src = torch.tensor([b for _, b in idx], device=self.device)
                         mean, basis = self._basis(kind, g, pl.components)
-                        x[:, dst] = torch.addmm(mean[src], c, basis[:, src])
-                    full[:, s : T - w] = x.to(dt).cpu().reshape(B, header.middle_tokens, *hd)
+                        x[:, dst] = self._reconstruct(c, mean[src], basis[:, src]).to(x.dtype)
+                    full[:, s : T - w] = x.to(dt).to(out_dev).reshape(B, header.middle_tokens, *hd)
                 out.append(full)
             yield layer, out[0], out[1]
 
@@ -372,6 +469,24 @@ class Codec:
         }
 
 
+@contextmanager
+def _no_tf32() -> Iterator[None]:
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 product with float32 output (fp32 accumulate) where torch offers it, else upcast."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return torch.mm(a, b).float()
+
+
 class _Clock:
     def __init__(self, sink: dict[str, float] | None):
         self.sink = sink
@@ -398,6 +513,28 @@ def _le_bytes(t: torch.Tensor) -> bytes:
     else:
         a = t.numpy()
     return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _device_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's bytes as flat uint8 (CUDA devices are little-endian: the container's order)."""
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    host = torch.empty(t.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    host.copy_(t.reshape(-1))
+    return host.numpy().tobytes()
+
+
+def _section(data: bytes | torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A decoded section as a tensor on ``device``: host bytes are parsed little-endian, device bytes viewed."""
+    if isinstance(data, torch.Tensor):
+        count = int(np.prod(shape)) if shape else 1
+        esize = torch.empty((), dtype=dtype).element_size()
+        if data.numel() != count * esize:
+            raise FormatError(f"section holds {data.numel()} bytes, {count * esize} expected")
+        return data.view(dtype).reshape(shape).to(device)
+    return _from_le(data, dtype, shape).to(device)
 
 
 def _from_le(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

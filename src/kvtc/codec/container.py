@@ -38,6 +38,7 @@ MAX_BATCH = 1 << 12
 MAX_TOKENS = 1 << 22
 MAX_SECTIONS = 4096
 MAX_TOTAL_RAW_BYTES = 1 << 36
+MAX_KV_HEADS = 1 << 16
 MODES = ("kvtc", "identity")
 
 
@@ -128,8 +129,8 @@ def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
     if zlib.crc32(raw) != hcrc:
         raise FormatError("container header checksum mismatch; the blob is corrupt")
     try:
-        d = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        d = json.loads(raw.decode("utf-8"))  # bytes would also be read as UTF-16/32 or with a BOM
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError("container header is not valid JSON; the blob is corrupt") from None
     header = _parse_header(d)
     body = PREFIX.size + hlen
@@ -181,8 +182,12 @@ def _parse_header(d: Any) -> Header:
         raise FormatError("kvtc blob without a calibration hash")
     if mode == "identity" and cal is not None:
         raise FormatError("identity blob must not name a calibration")
+    layout_d = _req(d, "layout", dict)
+    nkv = layout_d.get("num_kv_heads")
+    if isinstance(nkv, int) and nkv > MAX_KV_HEADS:  # an empty "heads" would make KVLayout build range(nkv)
+        raise FormatError("container layout declares too many KV heads")
     try:
-        layout = KVLayout.from_dict(_req(d, "layout", dict))
+        layout = KVLayout.from_dict(layout_d)
     except LayoutError as e:
         raise FormatError(f"container layout invalid: {e}") from None
     batch, tokens = _req(d, "batch", int), _req(d, "tokens", int)
@@ -224,4 +229,9 @@ def _parse_header(d: Any) -> Header:
         sections.append(Section(name, backend, raw, coded, crc))
     if total_raw > min(2 * bound, MAX_TOTAL_RAW_BYTES):
         raise FormatError("sections declare more bytes than the slice can hold")
-    return Header(mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections)
+    header = Header(mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections)
+    if mode == "identity" and header.middle_tokens:
+        raise FormatError("identity blob must store every token raw (sinks + window < tokens); the blob is corrupt")
+    if batch == 0 and header.middle_tokens:
+        raise FormatError("empty batch with coded middle tokens; the blob is corrupt")
+    return header

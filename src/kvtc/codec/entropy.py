@@ -53,6 +53,11 @@ BACKENDS: dict[str, Backend] = {
     "zlib": Backend("zlib", _zlib_compress, _zlib_decompress),
 }
 
+# chunked raw DEFLATE: nvCOMP codes it on the GPU; its CPU twin (zlib) is always here, so any machine decodes it
+from . import nvcomp as _nvcomp  # noqa: E402 - needs Backend; imports nothing GPU-side until asked
+
+BACKENDS[_nvcomp.NAME] = Backend(_nvcomp.NAME, _nvcomp.cpu_compress, _nvcomp.cpu_decompress)
+
 try:
     import zstandard as _zstd
 
@@ -93,8 +98,28 @@ def get_backend(name: str) -> Backend:
         ) from None
 
 
-def encode_stream(data: bytes, backend: str) -> tuple[str, bytes]:
+@dataclass(frozen=True)
+class Precoded:
+    """A stream already coded before the container is written (by a GPU coder of ``backend``).
+
+    ``raw`` returns the uncoded bytes; it is called only when coding did not shrink the stream.
+    """
+
+    backend: str
+    coded: bytes
+    raw_len: int
+    raw: Callable[[], bytes]
+
+    def __len__(self) -> int:
+        return self.raw_len
+
+
+def encode_stream(data: bytes | Precoded, backend: str) -> tuple[str, bytes]:
     """Code ``data`` with ``backend``; falls back to ``raw`` when coding does not shrink it."""
+    if isinstance(data, Precoded):
+        if data.backend != "raw" and len(data.coded) < data.raw_len:
+            return data.backend, data.coded
+        return "raw", data.raw()
     if backend != "raw" and data:
         coded = get_backend(backend).compress(data)
         if len(coded) < len(data):

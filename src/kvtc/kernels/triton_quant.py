@@ -1,0 +1,226 @@
+"""Fused Triton kernels: quantize + pack, and unpack + dequantize, of one plan bucket.
+
+They compute exactly what :func:`kvtc.quant.quantize` / :func:`kvtc.quant.dequantize` followed by
+:func:`kvtc.codec.packing.pack` / :func:`kvtc.codec.packing.unpack` compute (those CPU functions are the
+oracle; ``tests/test_gpu.py`` compares bit for bit): the same fp16 rounding of shift and scale (scale
+rounded upwards), correctly rounded divisions, round-half-to-even, fp8 E4M3 with saturation, and an
+unfused multiply then add on decode.
+
+A *bucket* is every kept group of one (type, size) in a plan. One program handles ``BLOCK_T`` tokens of
+``GPB`` groups (several groups per program when groups are small, one group walked in ``CH``-component
+chunks when they are large). Shapes:
+
+* ``coeffs`` ``[n, k]`` (row-major, tokens by PCA components), float32 or bfloat16;
+* ``params`` ``[kept groups, 2, n]`` float16: shift row then scale row of each kept group;
+* ``plane`` ``[components of the type, bytes per plane]`` uint8, component-major, tokens packed low bits
+  first (``per`` symbols a byte), each plane padded with zero symbols to a whole byte.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import FP8, FP8_MAX, INT2, INT4, TYPE_BITS
+
+_HALF_MAX = 65504.0
+BLOCK_T = 64
+#: components a program holds at once (groups are cut in chunks of this many, or packed this many a program)
+TILE_C = 64
+
+
+@triton.jit
+def _div_rn(a, b):
+    return tl.div_rn(a, b)
+
+
+@triton.jit
+def _rint(y):
+    """Round half to even (``torch.round``)."""
+    f = tl.floor(y)
+    d = y - f
+    even = (f - 2.0 * tl.floor(f * 0.5)) == 0.0
+    return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(even, f, f + 1.0)))
+
+
+@triton.jit
+def _half_up(v):
+    """fp16 of a non-negative float32, rounded upwards (``kvtc.quant._half_up``)."""
+    h = tl.minimum(v, 65504.0).to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True)
+    up = (bits + 1).to(tl.float16, bitcast=True)
+    return tl.where(h.to(tl.float32) < v, up, h)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr, stride_x, n,
+    col0_ptr, row0_ptr, prow_ptr, ngroups,
+    params_ptr, plane_ptr, plane_bytes,
+    IS_FP8: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_g = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    gi = pid_g * GPB + tl.arange(0, GPB)  # [GPB]
+    gmask = gi < ngroups
+    col0 = tl.load(col0_ptr + gi, mask=gmask, other=0).to(tl.int64)
+    row0 = tl.load(row0_ptr + gi, mask=gmask, other=0).to(tl.int64)
+    prow = tl.load(prow_ptr + gi, mask=gmask, other=0).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+    tmask = t < n
+    c = tl.arange(0, CH)
+    t3 = t.to(tl.int64)[:, None, None]
+    m3 = tmask[:, None, None] & gmask[None, :, None]
+
+    lo = tl.full((BLOCK_T, GPB), float("inf"), tl.float32)
+    hi = tl.full((BLOCK_T, GPB), float("-inf"), tl.float32)
+    for k in tl.static_range(0, G, CH):
+        cols = col0[None, :, None] + k + c[None, None, :]
+        v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
+        lo = tl.minimum(lo, tl.min(v, axis=2))
+        hi = tl.maximum(hi, tl.max(v, axis=2))
+
+    if IS_FP8:
+        shift = (tl.minimum(tl.maximum((hi + lo) * 0.5, -65504.0), 65504.0)).to(tl.float16)
+        sh = shift.to(tl.float32)
+        amp = tl.maximum(tl.maximum(hi - sh, sh - lo), 0.0)
+        scale = _half_up(_div_rn(amp, 448.0))
+    else:
+        shift = (tl.minimum(tl.maximum(lo, -65504.0), 65504.0)).to(tl.float16)
+        sh = shift.to(tl.float32)
+        scale = _half_up(_div_rn(tl.maximum(hi - sh, 0.0), LEVELS * 1.0))
+    s = scale.to(tl.float32)
+    pm = tmask[:, None] & gmask[None, :]
+    pptr = params_ptr + prow[None, :] * (2 * n) + t.to(tl.int64)[:, None]
+    tl.store(pptr, shift, mask=pm)
+    tl.store(pptr + n, scale, mask=pm)
+
+    pos = s > 0
+    s_safe = tl.where(pos, s, 1.0)
+    tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
+    for k in tl.static_range(0, G, CH):
+        cols = col0[None, :, None] + k + c[None, None, :]
+        v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
+        y = _div_rn(v - sh[:, :, None], s_safe[:, :, None])
+        y = tl.where(pos[:, :, None], y, 0.0)
+        if IS_FP8:
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            sym = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            sym = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS * 1.0).to(tl.int32)
+        sym = tl.where(tmask[:, None, None], sym, 0)  # padding tokens are zero symbols
+        sym = tl.reshape(sym, (BLOCK_T, GPB * CH))
+        rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
+        rmask = tl.reshape(gmask[:, None] & (c[None, :] >= 0), (GPB * CH,))
+        if PER == 1:
+            out = sym
+            optr = plane_ptr + rows[None, :] * plane_bytes + t.to(tl.int64)[:, None]
+            tl.store(optr, out.to(tl.uint8), mask=tmask[:, None] & rmask[None, :])
+        else:
+            sym = tl.reshape(sym, (BLOCK_T // PER, PER, GPB * CH))
+            sh_bits = (tl.arange(0, PER) * BITS)[None, :, None]
+            out = tl.sum(sym << sh_bits, axis=1)  # [T/PER, GPB*CH]
+            optr = plane_ptr + rows[None, :] * plane_bytes + tb.to(tl.int64)[:, None]
+            tl.store(optr, out.to(tl.uint8), mask=(tb < plane_bytes)[:, None] & rmask[None, :])
+
+
+@triton.jit
+def _unpack_dequantize_kernel(
+    y_ptr, stride_y, n,
+    col0_ptr, row0_ptr, prow_ptr, ngroups,
+    params_ptr, plane_ptr, plane_bytes,
+    IS_FP8: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_g = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    gi = pid_g * GPB + tl.arange(0, GPB)
+    gmask = gi < ngroups
+    col0 = tl.load(col0_ptr + gi, mask=gmask, other=0).to(tl.int64)
+    row0 = tl.load(row0_ptr + gi, mask=gmask, other=0).to(tl.int64)
+    prow = tl.load(prow_ptr + gi, mask=gmask, other=0).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n
+    c = tl.arange(0, CH)
+    pm = tmask[:, None] & gmask[None, :]
+    pptr = params_ptr + prow[None, :] * (2 * n) + t.to(tl.int64)[:, None]
+    sh = tl.load(pptr, mask=pm, other=0.0).to(tl.float32)[:, :, None]
+    sc = tl.load(pptr + n, mask=pm, other=0.0).to(tl.float32)[:, :, None]
+    tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
+    for k in tl.static_range(0, G, CH):
+        rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
+        rmask = tl.reshape(gmask[:, None] & (c[None, :] >= 0), (GPB * CH,))
+        if PER == 1:
+            iptr = plane_ptr + rows[None, :] * plane_bytes + t.to(tl.int64)[:, None]
+            b = tl.load(iptr, mask=tmask[:, None] & rmask[None, :], other=0)
+            sym = b
+        else:
+            iptr = plane_ptr + rows[None, :] * plane_bytes + tb.to(tl.int64)[:, None]
+            b = tl.load(iptr, mask=(tb < plane_bytes)[:, None] & rmask[None, :], other=0).to(tl.int32)
+            sh_bits = (tl.arange(0, PER) * BITS)[None, :, None]
+            sym = (b[:, None, :] >> sh_bits) & MASK  # [T/PER, PER, GPB*CH]
+            sym = tl.reshape(sym, (BLOCK_T, GPB * CH))
+        sym = tl.reshape(sym, (BLOCK_T, GPB, CH))
+        if IS_FP8:
+            val = sym.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            val = sym.to(tl.float32)
+        # multiply, then add, each rounded (launched with fp fusion off): the CPU reference's arithmetic
+        out = val * sc + sh
+        cols = col0[None, :, None] + k + c[None, None, :]
+        optr = y_ptr + t.to(tl.int64)[:, None, None] * stride_y + cols
+        tl.store(optr, out, mask=tmask[:, None, None] & gmask[None, :, None])
+
+
+def _shape(size: int) -> tuple[int, int]:
+    """(groups per program, components per chunk) for groups of ``size`` components."""
+    if size >= TILE_C:
+        return 1, TILE_C
+    return TILE_C // size, size
+
+
+def _per(qtype: int, packing: str) -> int:
+    bits = TYPE_BITS[qtype]
+    return 1 if packing == "bytes" or bits == 8 else 8 // bits
+
+
+def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
+                  qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
+    """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
+    (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). In place."""
+    n = coeffs.shape[0]
+    ngroups = col0.numel()
+    if n == 0 or ngroups == 0:
+        return
+    assert coeffs.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
+    gpb, ch = _shape(size)
+    per = _per(qtype, packing)
+    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
+    _quantize_pack_kernel[grid](
+        coeffs, coeffs.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
+        IS_FP8=qtype == FP8, LEVELS=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
+        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4,
+    )
+
+
+def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
+                      qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
+    """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``."""
+    n = out.shape[0]
+    ngroups = col0.numel()
+    if n == 0 or ngroups == 0:
+        return
+    assert out.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
+    gpb, ch = _shape(size)
+    per = _per(qtype, packing)
+    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
+    _unpack_dequantize_kernel[grid](
+        out, out.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
+        IS_FP8=qtype == FP8, MASK=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
+        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, enable_fp_fusion=False,
+    )
+
+
+__all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8", "FP8_MAX"]
