@@ -154,3 +154,15 @@ def test_wrong_inputs_are_refused_with_typed_errors(setup):
     bad = x.reshape(1, 10, 4, 4, 32)[..., :-1].contiguous()
     with pytest.raises(LayoutError):
         KVSlice(layout, bad, bad, torch.arange(10)[None])
+
+
+def test_empty_batch_and_short_sequences_round_trip(setup):
+    layout, ks, vs, cal = setup
+    codec = Codec(cal, ratio=8, sinks=4, window=16)
+    empty = KVSlice(layout, torch.zeros(0, 50, 4, 4, 32), torch.zeros(0, 50, 4, 4, 32),
+                    torch.zeros(0, 50, dtype=torch.int64))
+    out = codec.decode(codec.encode(empty))
+    assert out.keys.shape == (0, 50, 4, 4, 32)
+    short = make_slice(layout, ks.rows(10), vs.rows(10))  # fewer tokens than sinks + window: all raw
+    out = codec.decode(codec.encode(short))
+    assert torch.equal(out.keys, short.keys) and Codec.inspect(codec.encode(short))["middle_tokens"] == 0

@@ -181,8 +181,9 @@ class Codec:
         B, T = kv.batch, kv.num_tokens
         if self.calibration is not None:
             self.calibration.check_layout(lay)
+        if self.calibration is not None and B > 0:
             sinks, window = self.sinks, self.window
-        else:
+        else:  # identity, or an empty batch: every (possibly zero) token is stored raw
             sinks, window = T, 0
         header = container.Header(
             mode=self.mode,
