@@ -138,3 +138,25 @@ def test_plan_serialisation_round_trip_and_validation():
     bad["segments"] = [[1, 1, 1], [16, 2, 1]]  # a 16-group starting at 1 is unaligned
     with pytest.raises(CalibrationError):
         Plan.from_dict(bad, 100)
+
+
+def test_prediction_equals_codec_encode_decode_on_the_dp_rows():
+    """The DP's predicted error equals what Codec.encode/decode really does to the rows it measured."""
+    from kvtc import KVLayout, KVSlice
+    from kvtc.calibration import fit_calibration
+    from kvtc.codec import Codec
+
+    layout = KVLayout(layers=(0, 1, 2, 3), num_kv_heads=2, head_dim=32, dtype="float32")
+    p = layout.num_features
+    g = torch.Generator().manual_seed(11)
+    q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
+    x = (torch.randn(800, p, generator=g) * torch.logspace(1, -3, p)) @ q.T + 2.0
+    # dp_rows >= the number of rows: the DP measures exactly these rows
+    cal = fit_calibration(layout, [(x, x)], ratios=(4, 16, 32), dp_rows=800)
+    kv = KVSlice(layout, x.reshape(1, 800, 4, 2, 32), x.reshape(1, 800, 4, 2, 32), torch.arange(800)[None])
+    energy = float((x.double() - cal.pcas["keys"][0].mean.double()).square().sum())
+    for r in (4, 16, 32):
+        out = Codec(cal, ratio=r, sinks=0, window=0).decode(Codec(cal, ratio=r, sinks=0, window=0).encode(kv))
+        measured = float((out.keys.reshape(800, p).double() - x.double()).square().sum())
+        predicted = cal.stats["predicted_relative_error"][str(r)]["keys"][0] * energy
+        assert measured == pytest.approx(predicted, rel=0.01), r
