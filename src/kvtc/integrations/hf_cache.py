@@ -1,0 +1,232 @@
+"""Compress a transformers ``DynamicCache`` to bytes and restore it, ready for ``model.generate``.
+
+``compress_cache(cache, model, codec | calibration+ratio) -> bytes`` extracts the cache's KV (keys pre-RoPE,
+real layer indices, any batch size), casts it to the storage dtype (bfloat16 by default: the ratio is counted
+against bf16, what a serving engine holds) and encodes it. ``restore_cache(blob, model, calibration)`` checks
+that blob, calibration and model belong together, decodes, re-applies the model's RoPE and returns a fresh
+``DynamicCache`` (in the model's dtype, on its device) that ``model(...)`` / ``model.generate(...,
+past_key_values=...)`` continues from. ``save_blob`` / ``load_blob`` put a blob on disk atomically and
+validate it on the way back.
+
+What is and is not in a blob:
+
+* Full-attention and sliding-window layers: every cached token of every KV layer. A sliding-window layer
+  must still hold the whole sequence (a ``DynamicCache(config=...)`` drops tokens once the window is full;
+  :func:`compress_cache` then raises :class:`~kvtc.errors.LayoutError` saying how to keep them). The restored
+  cache trims those layers to their window exactly as the model would have.
+* Hybrid models (linear attention / SSM layers): only the attention KV is coded. The recurrent and conv
+  states of the linear layers are a fixed-size summary of the whole history that kvtc does not code; a
+  restored cache without them would silently continue from "no history". :func:`restore_cache` therefore
+  refuses a hybrid model unless ``linear_states=`` gives a cache holding those states (the one the blob was
+  made from, or states the caller stored beside the blob), which are copied in.
+* Not stored: token ids and the attention mask. Like any ``past_key_values``, the restored cache stands for
+  the first ``tokens`` ids of the input the caller passes next. Left-padded batches need their real
+  ``positions`` at compression and their attention mask at generation.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+
+from ..calibration.artifact import Calibration, ratio_key
+from ..codec import Codec
+from ..codec import container
+from ..errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError, StoreError
+from ..layout import DTYPES, KVLayout
+from .hf import describe_model, extract_slice, rebuild_cache
+from .hf_calibrate import check_model
+
+#: storage dtype of the KV in a blob (ratios are counted against it)
+DEFAULT_STORAGE_DTYPE = "bfloat16"
+
+__all__ = ["compress_cache", "restore_cache", "save_blob", "load_blob", "write_atomic", "is_hybrid", "DEFAULT_STORAGE_DTYPE"]
+
+
+def compress_cache(
+    cache: Cache,
+    model: PreTrainedModel,
+    codec: Codec | None = None,
+    *,
+    calibration: Calibration | str | os.PathLike[str] | None = None,
+    ratio: float = 16,
+    positions: torch.Tensor | None = None,
+    dtype: torch.dtype | str | None = DEFAULT_STORAGE_DTYPE,
+    model_id: str = "",
+    timings: dict[str, float] | None = None,
+) -> bytes:
+    """Encode every KV layer of ``cache`` (filled by ``model``) into one kvtc blob.
+
+    Give either a ready ``codec`` or a ``calibration`` (object or file) and a target ``ratio``; a calibration
+    must have been made for this model (layout and RoPE are checked: :class:`~kvtc.errors.CalibrationMismatch`
+    otherwise). ``positions``: int64 ``[batch, tokens]`` absolute positions (default ``arange(tokens)``; pass
+    the real ones for left-padded batches). ``dtype``: storage dtype of the KV (default bfloat16; ``None``
+    keeps the cache's, e.g. for a lossless float32 identity blob). ``timings`` collects the codec's stages.
+    """
+    if codec is None:
+        if calibration is None:
+            raise CalibrationError(
+                "compress_cache needs a codec or a calibration; pass calibration=<file or Calibration> "
+                "(the embedded default: kvtc.integrations.hf_calibrate.default_calibration())"
+            )
+        codec = Codec(_as_calibration(calibration), ratio=ratio)
+    elif calibration is not None:
+        raise CalibrationError("pass either codec= or calibration=, not both")
+    if codec.calibration is not None:
+        check_model(codec.calibration, model)
+    kv = extract_slice(cache, model, positions=positions, model_id=model_id or _model_name(model))
+    if dtype is not None:
+        name = dtype if isinstance(dtype, str) else next((n for n, d in DTYPES.items() if d == dtype), None)
+        if name not in DTYPES:
+            raise LayoutError(f"storage dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if name != kv.layout.dtype:
+            kv.keys = kv.keys.to(DTYPES[name])
+            kv.values = kv.values.to(DTYPES[name])
+            kv.layout = KVLayout(kv.layout.layers, kv.layout.num_kv_heads, kv.layout.head_dim, kv.layout.heads, name)
+    return codec.encode(kv, timings=timings)
+
+
+def restore_cache(
+    blob: bytes,
+    model: PreTrainedModel,
+    calibration: Calibration | str | os.PathLike[str] | None = None,
+    *,
+    linear_states: Cache | None = None,
+    timings: dict[str, float] | None = None,
+) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding the KV of ``blob``, with ``model``'s RoPE re-applied, in the model's
+    dtype and on its device.
+
+    ``calibration``: the calibration the blob was encoded with (object or file; not needed for identity
+    blobs). Checked before anything is decoded: the blob's layout against the model's, the calibration's
+    layout and RoPE against the model's, and the blob's calibration hash against the calibration's.
+    ``linear_states``: required for hybrid models (see the module docstring).
+    Raises :class:`~kvtc.errors.FormatError` for a corrupt or truncated blob and
+    :class:`~kvtc.errors.CalibrationMismatch` for a blob, calibration or model that do not belong together.
+    """
+    header, _ = container.read_header(blob)
+    layout, _ = describe_model(model)
+    got = header.layout
+    if (got.layers, got.num_kv_heads, got.head_dim) != (layout.layers, layout.num_kv_heads, layout.head_dim):
+        raise CalibrationMismatch(
+            f"the blob holds KV of layers {_short(got.layers)} x {got.num_kv_heads} heads x {got.head_dim} "
+            f"(model {header.model_id or 'unnamed'}), this model has layers {_short(layout.layers)} x "
+            f"{layout.num_kv_heads} x {layout.head_dim}; restore it with the model that made it"
+        )
+    if is_hybrid(model) and linear_states is None:
+        raise LayoutError(
+            "this hybrid model has linear-attention / SSM layers whose recurrent state a kvtc blob does not hold; "
+            "pass linear_states=<a cache holding those states> (e.g. the cache the blob was made from)"
+        )
+    if header.mode == "identity":
+        codec = Codec.identity()
+    else:
+        if calibration is None:
+            raise CalibrationError(
+                f"this blob was encoded with calibration {header.calibration[:16]}; "  # type: ignore[index]
+                "pass calibration=<that calibration file>"
+            )
+        cal = _as_calibration(calibration)
+        check_model(cal, model)
+        if header.calibration != cal.hash:
+            raise CalibrationMismatch(
+                f"the blob was encoded with calibration {str(header.calibration)[:16]}, not with "
+                f"{cal.fingerprint}; restore it with the calibration that encoded it"
+            )
+        codec = Codec(cal, ratio=float(ratio_key(float(header.ratio or 16))))
+    kv = codec.decode(blob, timings=timings)
+    return rebuild_cache(kv, model, linear_states=linear_states)
+
+
+def is_hybrid(model_or_config: Any) -> bool:
+    """True when the model has layers that keep a recurrent state instead of KV (linear attention, SSM)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    cache = DynamicCache(config=config)
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+
+
+def save_blob(path: str | os.PathLike[str], blob: bytes) -> Path:
+    """Write ``blob`` to ``path`` atomically, after checking it is a kvtc container (see :func:`write_atomic`).
+
+    On any failure whatever was at ``path`` before is left untouched; the error is a
+    :class:`~kvtc.errors.StoreError` (:class:`~kvtc.errors.FormatError` when ``blob`` is not a container)."""
+    container.read_header(blob)  # refuse to put garbage where a good file may be
+    return write_atomic(path, blob)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path``: a temporary file in the same directory, fsync, rename over ``path``, fsync of
+    the directory. A failure at any step removes the temporary file and leaves ``path`` as it was."""
+    path = Path(path)
+    directory = path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise StoreError(f"cannot write {path}: {e.strerror or e}; pick a writable location") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise StoreError(f"writing {path} failed ({e.strerror or e}); the previous file, if any, is unchanged") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def load_blob(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a ``.kvtc`` file, with its container header validated (sections are checked on decode)."""
+    path = Path(path)
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror or e}; check the path") from None
+    try:
+        container.read_header(blob)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+    return blob
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _as_calibration(calibration: Calibration | str | os.PathLike[str]) -> Calibration:
+    return calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
+
+
+def _model_name(model: Any) -> str:
+    name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    return Path(name).name if name else ""
+
+
+def _short(layers: tuple[int, ...]) -> str:
+    return str(list(layers)) if len(layers) <= 6 else f"[{layers[0]}, {layers[1]}, ..., {layers[-1]}] ({len(layers)})"
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself is already atomic
+    finally:
+        os.close(fd)
