@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from .. import __version__
+from ..fileio import write_atomic
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..layout import KVLayout, PCAGrouping
 from .dp import Plan
@@ -184,23 +184,7 @@ class Calibration:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically (temp file, fsync, rename): a crash never leaves a half-written calibration."""
-        path = Path(path)
-        data = self.to_bytes()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomic(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:

@@ -27,7 +27,6 @@ What is and is not in a blob:
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from ..calibration.artifact import Calibration, ratio_key
 from ..codec import Codec
 from ..codec import container
 from ..errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError, StoreError
+from ..fileio import write_atomic
 from ..layout import DTYPES, KVLayout
 from .hf import describe_model, extract_slice, rebuild_cache
 from .hf_calibrate import check_model
@@ -160,35 +160,6 @@ def save_blob(path: str | os.PathLike[str], blob: bytes) -> Path:
     return write_atomic(path, blob)
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path``: a temporary file in the same directory, fsync, rename over ``path``, fsync of
-    the directory. A failure at any step removes the temporary file and leaves ``path`` as it was."""
-    path = Path(path)
-    directory = path.parent
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise StoreError(f"cannot write {path}: {e.strerror or e}; pick a writable location") from None
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise StoreError(f"writing {path} failed ({e.strerror or e}); the previous file, if any, is unchanged") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
-    return path
-
-
 def load_blob(path: str | os.PathLike[str]) -> bytes:
     """The bytes of a ``.kvtc`` file, with its container header validated (sections are checked on decode)."""
     path = Path(path)
@@ -217,16 +188,3 @@ def _model_name(model: Any) -> str:
 
 def _short(layers: tuple[int, ...]) -> str:
     return str(list(layers)) if len(layers) <= 6 else f"[{layers[0]}, {layers[1]}, ..., {layers[-1]}] ({len(layers)})"
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename itself is already atomic
-    finally:
-        os.close(fd)
