@@ -1,0 +1,224 @@
+"""vLLM engine scenarios for the KVTC connector, run in subprocesses by tests/test_vllm_connector.py and
+benchmarks/vllm_ttft.py (vLLM spawns processes, so every engine lives in its own ``python`` process).
+
+    python tests/vllm_scenarios.py run --mode {none,identity,kvtc} --store URL --out result.json [options]
+
+One run starts one engine (``LLM``), serves the prompts of the scenario and writes a JSON result: greedy
+tokens, teacher-forced top-1 tokens and log-probabilities over the tokens after the shared prefix, per
+request cached-token counts, timings. Prompts are token ids built from State of the Union text: ``--groups``
+shared prefixes of ``--prefix`` tokens, each followed by a distinct question-like suffix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+if os.environ.get("KVTC_VLLM_DEBUG"):  # module level: engine processes re-import this module when spawned
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("%(process)d %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("kvtc.vllm").addHandler(_handler)
+    logging.getLogger("kvtc.vllm").setLevel(logging.DEBUG)
+
+PREFIX_TOKENS = 1024
+SUFFIX_TOKENS = 48
+SCORED_TOKENS = 32
+GEN_TOKENS = 16
+
+
+def build_prompts(tok, n_prompts: int, groups: int, prefix: int, suffix: int, scored: int, skip: int = 0) -> list[dict]:
+    """``n_prompts`` prompts over ``groups`` shared prefixes: prefix + suffix (+ ``scored`` reference tokens)."""
+    from kvtc.assets import sotu_texts
+
+    texts = sotu_texts(since=2000)
+    ids = [t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]][skip:]
+    need = groups * prefix + n_prompts * (suffix + scored)
+    if len(ids) < need:
+        raise SystemExit(f"not enough text: {len(ids)} < {need} tokens")
+    prefixes = [ids[g * prefix : (g + 1) * prefix] for g in range(groups)]
+    rest = ids[groups * prefix :]
+    prompts = []
+    for i in range(n_prompts):
+        tail = rest[i * (suffix + scored) : (i + 1) * (suffix + scored)]
+        prompts.append({"group": i % groups, "prefix": prefixes[i % groups], "suffix": tail[:suffix],
+                        "scored": tail[suffix:]})
+    return prompts
+
+
+def make_llm(args):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvtc.assets import smollm2_dir
+
+    kw = {}
+    if args.mode != "none":
+        extra = {"codec": "identity" if args.mode == "identity" else "kvtc", "store": args.store,
+                 "chunk_tokens": args.chunk}
+        if args.mode == "kvtc":
+            extra.update(calibration=args.calibration, ratio=args.ratio)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTCConnector",
+            kv_connector_module_path="kvtc.integrations.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        )
+    return LLM(model=str(smollm2_dir()), dtype="bfloat16", max_model_len=args.max_len, enforce_eager=True,
+               seed=0, **kw)
+
+
+def _gen_records(outs) -> list[dict]:
+    """Greedy tokens with each step's top-2 log-probabilities (to tell a near-tie flip from a real change)."""
+    recs = []
+    for o in outs:
+        c = o.outputs[0]
+        top2 = []
+        for row in c.logprobs or []:
+            best = sorted(row.items(), key=lambda kv: -kv[1].logprob)[:2]
+            top2.append([[int(t), lp.logprob] for t, lp in best])
+        recs.append({"tokens": list(c.token_ids), "text": c.text, "cached": o.num_cached_tokens, "top2": top2})
+    return recs
+
+
+def corrupt_one_entry(store_url: str) -> str:
+    """Flip a byte in the middle of the second-oldest entry of a ``file://`` store (chunk 1 of the first
+    prefix that was stored) and return its path."""
+    root = store_url[len("file://"):].split("?")[0]
+    entries = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    entries = sorted((p for p in entries if os.path.getsize(p) > 100_000), key=lambda p: os.stat(p).st_mtime_ns)
+    if len(entries) < 2:
+        raise SystemExit(f"the store holds {len(entries)} entries, nothing to corrupt")
+    victim = entries[1]
+    with open(victim, "r+b") as f:
+        size = os.path.getsize(victim)
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return victim
+
+
+def run(args) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = make_llm(args)
+    startup = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    prompts = build_prompts(tok, args.prompts, args.groups, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS)
+    out: dict = {"mode": args.mode, "startup_s": startup}
+
+    gen = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=2)
+    reqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"]) for p in prompts]
+    t1 = time.perf_counter()
+    outs = llm.generate(reqs, gen, use_tqdm=False)
+    out["generate_s"] = time.perf_counter() - t1
+    out["requests"] = _gen_records(outs)
+    for rec, p in zip(out["requests"], prompts):
+        rec["group"] = p["group"]
+    if args.score:
+        # Teacher forcing: the prompt is prefix + suffix + reference; score the reference tokens.
+        # vLLM skips its prefix cache and the connector for prompt_logprobs requests unless told otherwise: the
+        # prefix must come from the cache (the store, in a restoring engine); only the scored tail is computed.
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=args.topk, skip_reading_prefix_cache=False,
+                            detokenize=False)  # vLLM cannot detokenize the placeholders of cached positions
+        sreqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"] + p["scored"]) for p in prompts]
+        outs = llm.generate(sreqs, sp, use_tqdm=False)
+        for rec, p, o in zip(out["requests"], prompts, outs):
+            n = len(p["scored"])
+            rows = o.prompt_logprobs[-n:]
+            rec["scored"] = [{str(t): lp.logprob for t, lp in row.items()} for row in rows]
+            rec["scored_ids"] = p["scored"]
+            rec["scored_cached"] = o.num_cached_tokens
+    # Other prefixes than the prompts above (none of them in any engine's cache or store yet).
+    many = (build_prompts(tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS, skip=args.prefix)
+            if args.concurrent else [])
+    creqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"][: 8 + i % 40]) for i, p in enumerate(many)]
+    if many:
+        # One request per prefix first (computed, or restored from the store), then many requests at once over
+        # the 4 shared prefixes, submitted together and scheduled side by side. Every engine then runs the
+        # same batches, so the engine without the connector is an exact reference.
+        llm.generate(creqs[:4], gen, use_tqdm=False)
+        out["concurrent"] = _gen_records(llm.generate(creqs, gen, use_tqdm=False))
+    if many and args.repeat_concurrent:
+        # The same batch again (prefixes still cached): does the engine alone repeat itself under concurrency?
+        out["concurrent_again"] = _gen_records(llm.generate(creqs, gen, use_tqdm=False))
+    if args.corrupt:
+        # Damage one stored entry, empty the engine's own prefix cache and serve everything again.
+        out["corrupted"] = corrupt_one_entry(args.store)
+        llm.reset_prefix_cache()
+        out["corrupt_requests"] = _gen_records(llm.generate(reqs, gen, use_tqdm=False))
+    if args.ttft:
+        out["ttft"] = ttft(llm, tok, args)
+    return out
+
+
+def ttft(llm, tok, args) -> dict:
+    """Time to first token: cold prefill of a fresh prefix vs a prefix restored from the store."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtc.assets import sotu_texts
+
+    ids = [t for text in sotu_texts(before=2000)[-40:] for t in tok(text, add_special_tokens=False)["input_ids"]]
+    n = args.ttft
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    res: dict = {"prefix_tokens": n, "cold_s": [], "hit_s": [], "hit_cached": []}
+    warm = ids[-4096:-3584]  # untimed: a 512-token miss and hit warm the save and restore paths
+    llm.generate([TokensPrompt(prompt_token_ids=warm + ids[:16])], one, use_tqdm=False)
+    llm.reset_prefix_cache()
+    llm.generate([TokensPrompt(prompt_token_ids=warm + ids[16:32])], one, use_tqdm=False)
+    for i in range(args.ttft_reps):
+        prefix = ids[i * n : (i + 1) * n]
+        q1 = ids[-(i + 1) * 16 - 16 : -(i + 1) * 16]
+        if not llm.reset_prefix_cache():
+            raise SystemExit("vLLM refused to reset its prefix cache")
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=prefix + q1)], one, use_tqdm=False)
+        res["cold_s"].append(time.perf_counter() - t)
+        if not llm.reset_prefix_cache():  # the engine's own cache is empty: only the store can serve the prefix
+            raise SystemExit("vLLM refused to reset its prefix cache")
+        q2 = ids[-(i + 1) * 16 - 48 : -(i + 1) * 16 - 32]
+        t = time.perf_counter()
+        o = llm.generate([TokensPrompt(prompt_token_ids=prefix + q2)], one, use_tqdm=False)
+        res["hit_s"].append(time.perf_counter() - t)
+        res["hit_cached"].append(o[0].num_cached_tokens)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["run"])
+    ap.add_argument("--mode", choices=["none", "identity", "kvtc"], required=True)
+    ap.add_argument("--store", default="")
+    ap.add_argument("--calibration", default="")
+    ap.add_argument("--ratio", type=float, default=16)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--prefix", type=int, default=PREFIX_TOKENS)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--score", action="store_true")
+    ap.add_argument("--topk", type=int, default=20)
+    ap.add_argument("--repeat-concurrent", action="store_true")
+    ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--concurrent", type=int, default=0)
+    ap.add_argument("--ttft", type=int, default=0)
+    ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    res = run(args)
+    with open(args.out, "w") as f:
+        json.dump(res, f)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
