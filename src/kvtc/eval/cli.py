@@ -1,0 +1,91 @@
+"""``kvtc eval``: quality lost against bytes saved, for kvtc and its peers, on one model.
+
+Loaded by :mod:`kvtc.cli` through :func:`register`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .suite import (
+    DEFAULT_ABLATION_TOKENS,
+    DEFAULT_CONTEXT,
+    DEFAULT_CONTINUATION,
+    DEFAULT_RETRIEVAL_PROMPTS,
+    DEFAULT_WINDOWS,
+    EvalConfig,
+)
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval",
+        help="compare kvtc with FP8, KIVI, quanto/HQQ and token eviction: quality vs bytes",
+        description=(
+            "Storage round trip (perplexity, KL, top-1, K/V error), the simulated conversation and pass-key "
+            "retrieval, for kvtc at every calibrated ratio and its peers, on the same windows. Writes "
+            "eval.json, eval.md and eval.png."
+        ),
+    )
+    p.add_argument("--model", default="default", help="HF model dir or hub id (default: embedded SmolLM2)")
+    p.add_argument("--calibration", help="calibration file (default: the embedded default's, built once)")
+    p.add_argument("--texts", nargs="+", default=["wikipedia"],
+                   help="evaluation texts: wikipedia, sotu-2000on, or local text files (default: wikipedia)")
+    p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
+    p.add_argument("--continuation", type=int, default=DEFAULT_CONTINUATION)
+    p.add_argument("--ratios", type=_floats, help="kvtc target ratios, comma separated (default: all calibrated)")
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--ablation-tokens", type=int, default=DEFAULT_ABLATION_TOKENS)
+    p.add_argument("--no-conversation", action="store_true")
+    p.add_argument("--no-retrieval", action="store_true")
+    p.add_argument("--retrieval-prompts", type=int, default=DEFAULT_RETRIEVAL_PROMPTS)
+    p.add_argument("--retrieval-lengths", type=_ints, default=None)
+    p.add_argument("--quick", action="store_true", help="one window, kvtc 16x and KIVI 2-bit, round trip only")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=Path("kvtc-eval"), help="output folder (default: ./kvtc-eval)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=main)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    kw: dict[str, Any] = dict(
+        model=args.model, calibration=args.calibration, texts=tuple(args.texts), windows=args.windows,
+        context=args.context, continuation=args.continuation, ratios=args.ratios, device=args.device,
+        progress=not args.no_progress,
+    )
+    if args.quick:
+        if args.windows == DEFAULT_WINDOWS:
+            kw["windows"] = 1
+        return EvalConfig.quick_config(**kw)
+    kw.update(baselines=not args.no_baselines, ablations=not args.no_ablations, ablation_tokens=args.ablation_tokens,
+              conversation=not args.no_conversation, retrieval=not args.no_retrieval,
+              retrieval_prompts=args.retrieval_prompts)
+    if args.retrieval_lengths:
+        kw["retrieval_lengths"] = args.retrieval_lengths
+    return EvalConfig(**kw)
+
+
+def main(args: argparse.Namespace) -> int:
+    from . import report
+    from .suite import run
+
+    result = run(config_from_args(args))
+    paths = report.write(result, args.out)
+    print(report.markdown(result))
+    for kind, path in paths.items():
+        print(f"{kind}: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,101 @@
+"""A greedy bit allocator: the ablation that shows what the dynamic program of :mod:`kvtc.calibration.dp` buys.
+
+Not used by the library. For one fixed group size, every aligned group starts dropped; the allocator
+repeatedly takes the single upgrade (dropped → int2 → int4 → fp8 of one group) with the largest measured
+error reduction per extra bit that still fits the budget, until none fits. The errors are the same
+measured ones the DP uses (:func:`~kvtc.calibration.dp.candidate_errors`, i.e. the real quantizer on
+calibration coefficients). It is run for each group size in ``sizes`` and the least-error plan is kept.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import torch
+
+from ..calibration import Calibration, Plan, budget_for_ratio, ratio_key
+from ..calibration.dp import DEFAULT_TYPES, candidate_errors
+from ..quant import DROP, group_bits
+
+#: group sizes the greedy allocator tries (each on its own)
+GREEDY_SIZES: tuple[int, ...] = (16, 64, 256)
+
+
+def greedy_allocate(
+    coeffs: torch.Tensor, budget_bits: float, sizes: Sequence[int] = GREEDY_SIZES,
+    types: Sequence[int] = DEFAULT_TYPES,
+) -> Plan:
+    """Greedy plan for ``coeffs [rows, k]`` (PCA coefficients) within ``budget_bits`` per token."""
+    k = coeffs.shape[1]
+    drop, errs = candidate_errors(coeffs, sizes, types)
+    drop = drop.double()
+    best: Plan | None = None
+    for g in sizes:
+        m = k // g
+        if m == 0:
+            continue
+        levels = [drop[: m * g].view(m, g).sum(1)] + [errs[(g, t)].double() for t in types]
+        costs = [0] + [group_bits(g, t) for t in types]
+        level = [0] * m
+        spent = 0
+        heap: list[tuple[float, int, int]] = []
+
+        def push(i: int) -> None:
+            lv = level[i]
+            # next level that lowers the error; skipping a level is allowed when it does not
+            for nxt in range(lv + 1, len(levels)):
+                gain = float(levels[lv][i] - levels[nxt][i])
+                if gain > 0:
+                    heapq.heappush(heap, (-gain / (costs[nxt] - costs[lv]), i, nxt))
+                    return
+
+        for i in range(m):
+            push(i)
+        while heap:
+            _, i, nxt = heapq.heappop(heap)
+            extra = costs[nxt] - costs[level[i]]
+            if spent + extra > budget_bits:
+                continue
+            spent += extra
+            level[i] = nxt
+            push(i)
+        error = sum(float(levels[level[i]][i]) for i in range(m)) + float(drop[m * g :].sum())
+        groups = [(g, DROP if lv == 0 else types[lv - 1]) for lv in level]
+        while groups and groups[-1][1] == DROP:
+            groups.pop()
+        segments: list[list[int]] = []
+        for size, qtype in groups:
+            if segments and segments[-1][1] == qtype:
+                segments[-1][2] += 1
+            else:
+                segments.append([size, qtype, 1])
+        plan = Plan(tuple(tuple(s) for s in segments), error, int(coeffs.shape[0]), exact=False,  # type: ignore[misc]
+                    meta={"allocator": "greedy", "size": g, "budget_bits": budget_bits})
+        if best is None or plan.predicted_error < best.predicted_error:
+            best = plan
+    if best is None:
+        raise ValueError(f"no group size in {tuple(sizes)} fits {k} components")
+    return best
+
+
+def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                       ratios: Sequence[float], max_rows: int = 1024, seed: int = 0) -> Calibration:
+    """``calibration``'s bases with greedy plans for ``ratios``, measured on up to ``max_rows`` of ``rows``
+    (``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded)."""
+    keys = torch.cat([k for k, _ in rows])
+    values = torch.cat([v for _, v in rows])
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(keys.shape[0], generator=gen)[:max_rows]
+    plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {} for r in ratios}
+    for kind, x in (("keys", keys[pick].float()), ("values", values[pick].float())):
+        for r in ratios:
+            plans[ratio_key(r)][kind] = []
+        for g, cols in enumerate(calibration.columns):
+            pca = calibration.pcas[kind][g]
+            coeffs = (x[:, cols] - pca.mean) @ pca.basis.T
+            for r in ratios:
+                plans[ratio_key(r)][kind].append(greedy_allocate(coeffs, budget_for_ratio(cols.numel(), r)))
+    return Calibration(calibration.layout, calibration.grouping, calibration.pcas, plans, calibration.rope,
+                       calibration.model_id, dict(calibration.corpus, allocator="greedy"),
+                       dict(calibration.stats))

