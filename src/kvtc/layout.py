@@ -71,6 +71,12 @@ class KVLayout:
         return len(self.layers) * len(self.heads) * self.head_dim
 
     @property
+    def model_shape(self) -> tuple[tuple[int, ...], int, int]:
+        """``(layers, num_kv_heads, head_dim)``: what must agree between KV, a calibration and a model
+        (heads and dtype may differ: a tensor-parallel shard, a storage dtype)."""
+        return self.layers, self.num_kv_heads, self.head_dim
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 

@@ -101,7 +101,7 @@ class Calibration:
     def check_layout(self, layout: KVLayout) -> None:
         """Refuse KV of another shape than the calibration's (heads may be a subset: a TP shard)."""
         mine = self.layout
-        if (layout.layers, layout.num_kv_heads, layout.head_dim) != (mine.layers, mine.num_kv_heads, mine.head_dim):
+        if layout.model_shape != mine.model_shape:
             raise CalibrationMismatch(
                 f"KV layout (layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim "
                 f"{layout.head_dim}) does not match the calibration's (layers {_short(mine.layers)}, "

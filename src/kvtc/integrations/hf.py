@@ -146,7 +146,7 @@ def rebuild_cache(
     config, model = _config_and_model(model_or_config)
     layout, spec = describe_model(config)
     got = kv.layout
-    if (got.layers, got.num_kv_heads, got.head_dim) != (layout.layers, layout.num_kv_heads, layout.head_dim):
+    if got.model_shape != layout.model_shape:
         raise LayoutError(
             f"the slice's layout (layers {got.layers}, {got.num_kv_heads} KV heads of {got.head_dim}) is not this "
             f"model's (layers {layout.layers}, {layout.num_kv_heads} KV heads of {layout.head_dim})"

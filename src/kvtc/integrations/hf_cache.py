@@ -113,7 +113,7 @@ def restore_cache(
     header, _ = container.read_header(blob)
     layout, _ = describe_model(model)
     got = header.layout
-    if (got.layers, got.num_kv_heads, got.head_dim) != (layout.layers, layout.num_kv_heads, layout.head_dim):
+    if got.model_shape != layout.model_shape:
         raise CalibrationMismatch(
             f"the blob holds KV of layers {_short(got.layers)} x {got.num_kv_heads} heads x {got.head_dim} "
             f"(model {header.model_id or 'unnamed'}), this model has layers {_short(layout.layers)} x "
