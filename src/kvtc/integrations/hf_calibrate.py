@@ -47,8 +47,6 @@ def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windo
             produced += 1
             if limit_windows is not None and produced >= limit_windows:
                 return
-        if len(carry) < window // 4:
-            continue
     # the remainder is dropped: a short tail would over-weight early positions
 
 
