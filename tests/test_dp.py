@@ -16,6 +16,8 @@ from kvtc.calibration.dp import (
     allocate_many,
     budget_for_ratio,
     candidate_errors,
+    error_curve,
+    split_budget,
 )
 from kvtc.errors import CalibrationError
 from kvtc.quant import DROP, FP8, INT2, INT4, dequantize, group_bits, quantize
@@ -116,6 +118,39 @@ def test_real_size_prediction_equals_measurement_and_budget_holds():
     assert plans[2].kept_components < plans[0].kept_components <= k
 
 
+def test_one_table_gives_every_smaller_budget_its_own_optimum():
+    """error_curve solved once for the largest budget = a separate solve per budget (brute force too)."""
+    rnd = random.Random(5)
+    for trial in range(20):
+        k = rnd.randint(1, 7)
+        coeffs = torch.randn(rnd.randint(2, 10), k, generator=torch.Generator().manual_seed(100 + trial))
+        coeffs *= torch.tensor([rnd.uniform(0.01, 10) for _ in range(k)])
+        top = rnd.randint(10, 40 * k)
+        curve = error_curve(coeffs, top, sizes=SIZES, types=TYPES)
+        for budget in sorted({rnd.randint(0, top) for _ in range(6)} | {top}):
+            plan = curve.plan(budget)
+            assert plan.bits_per_token <= budget
+            assert plan.predicted_error == pytest.approx(brute_force(coeffs, budget), rel=1e-9, abs=1e-12)
+            assert _measure(coeffs, plan) == pytest.approx(plan.predicted_error, rel=1e-6, abs=1e-9)
+
+
+def test_kv_split_is_the_best_of_every_split():
+    """split_budget = exhaustive search over every division of the shared budget between two curves."""
+    rnd = random.Random(6)
+    for trial in range(15):
+        ka, kb = rnd.randint(1, 6), rnd.randint(1, 6)
+        a = torch.randn(8, ka, generator=torch.Generator().manual_seed(200 + trial)) * rnd.uniform(0.1, 5)
+        b = torch.randn(8, kb, generator=torch.Generator().manual_seed(300 + trial)) * rnd.uniform(0.1, 5)
+        total = rnd.randint(0, 30 * (ka + kb)) // 2 * 2
+        wa, wb = rnd.uniform(0.2, 3), rnd.uniform(0.2, 3)
+        ca, cb = error_curve(a, total, sizes=SIZES, types=TYPES), error_curve(b, total, sizes=SIZES, types=TYPES)
+        ba, bb = split_budget(ca, cb, total, wa, wb)
+        assert ba + bb <= total
+        got = wa * ca.plan(ba).predicted_error + wb * cb.plan(bb).predicted_error
+        want = min(wa * brute_force(a, x) + wb * brute_force(b, total - x) for x in range(0, total + 1))
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
 def test_coarsened_budget_axis_stays_within_budget():
     coeffs = torch.randn(64, 512, generator=torch.Generator().manual_seed(4)) * torch.logspace(1, -2, 512)
     budget = budget_for_ratio(512, 4)
@@ -160,3 +195,35 @@ def test_prediction_equals_codec_encode_decode_on_the_dp_rows():
         measured = float((out.keys.reshape(800, p).double() - x.double()).square().sum())
         predicted = cal.stats["predicted_relative_error"][str(r)]["keys"][0] * energy
         assert measured == pytest.approx(predicted, rel=0.01), r
+
+
+def test_joint_kv_split_spends_the_shared_budget_where_the_weighted_error_is_least():
+    """Values with a flatter spectrum than keys get more of the shared 2·16p/CR bits, the total holds,
+    and the weighted relative error is no worse than the equal split's."""
+    from kvtc import KVLayout
+    from kvtc.calibration import fit_calibration
+
+    layout = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=32, dtype="float32")
+    p = layout.num_features
+    g = torch.Generator().manual_seed(12)
+    keys = torch.randn(600, p, generator=g) * torch.logspace(1, -3, p)
+    values = torch.randn(600, p, generator=g) * torch.logspace(0.5, -0.5, p)
+    w = 2.0
+    cals = {mode: fit_calibration(layout, [(keys, values)], ratios=(8, 16), dp_rows=600, kv_split=mode,
+                                  value_weight=w) for mode in ("joint", "equal")}
+    for r in (8, 16):
+        budget = budget_for_ratio(p, r)
+        pj = cals["joint"].plans_for(r)
+        pe = cals["equal"].plans_for(r)
+        assert pj["keys"][0].bits_per_token + pj["values"][0].bits_per_token <= 2 * budget
+        assert pe["keys"][0].bits_per_token <= budget and pe["values"][0].bits_per_token <= budget
+        assert pj["values"][0].bits_per_token > pj["keys"][0].bits_per_token
+
+        def objective(cal):
+            e = cal.stats["predicted_relative_error"][str(r)]
+            return e["keys"][0] + w * e["values"][0]
+
+        assert objective(cals["joint"]) <= objective(cals["equal"]) * (1 + 1e-9)
+        assert objective(cals["joint"]) < 0.95 * objective(cals["equal"])
+    with pytest.raises(CalibrationError):
+        fit_calibration(layout, [(keys, values)], ratios=(8,), kv_split="halves")

@@ -44,7 +44,12 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument("--corpus", nargs="+", default=[DEFAULT_CORPUS],
                    help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia")
     p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
-    p.add_argument("--ratios", type=float, nargs="+", help="target ratios to plan (default 8 16 32 64)")
+    p.add_argument("--ratios", type=float, nargs="+", help="target ratios to plan (default 6 7 8 12 16 24 32 48 64)")
+    p.add_argument("--kv-split", choices=("joint", "equal"), default="joint",
+                   help="joint: keys and values share one bit budget, split where the weighted relative error "
+                        "is least (default); equal: the same budget for each")
+    p.add_argument("--value-weight", type=float, default=None,
+                   help="weight of the values' relative error in the joint split (default 2)")
     p.add_argument("--window", type=int, help="tokens per calibration window (default 1,024)")
     p.add_argument("--out", type=Path,
                    help="calibration file to write (default model and corpus: the cached default calibration)")
@@ -64,7 +69,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     args.window = args.window or DEFAULT_WINDOW_TOKENS
     is_default = _is_default_model(args.model) and args.corpus == [DEFAULT_CORPUS] and args.out is None
     t0 = time.perf_counter()
-    if is_default and sorted(args.ratios) == sorted(DEFAULT_RATIOS) and args.window == DEFAULT_WINDOW_TOKENS:
+    fit_kw = {"kv_split": args.kv_split}
+    if args.value_weight is not None:
+        fit_kw["value_weight"] = args.value_weight
+    if (is_default and sorted(args.ratios) == sorted(DEFAULT_RATIOS) and args.window == DEFAULT_WINDOW_TOKENS
+            and args.kv_split == "joint" and args.value_weight is None):
         path = default_calibration(tokens=args.tokens, progress=True)
     else:
         if args.out is None:
@@ -77,7 +86,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         name = assets.DEFAULT_MODEL if _is_default_model(args.model) else str(args.model)
         cal = calibrate_model(model, tok, texts, tokens=args.tokens, ratios=args.ratios, window=args.window,
                               model_id=name, corpus={"name": corpus if isinstance(corpus, str) else "files",
-                                                     "documents": len(texts)}, progress=True)
+                                                     "documents": len(texts)}, progress=True, **fit_kw)
         path = cal.save(args.out)
     cal = Calibration.load(path)
     secs = cal.stats.get("seconds", {})

@@ -225,6 +225,69 @@ def _check(coeffs: torch.Tensor, sizes: Sequence[int]) -> None:
         raise CalibrationError("group sizes must include 1 so that every component count is reachable")
 
 
+@dataclass
+class ErrorCurve:
+    """One DP table solved up to a largest budget: the least error and its plan for *every* smaller budget.
+
+    ``best[u]`` is the least measured error within ``u`` budget units (``unit`` bits each), ``at[u]`` the
+    exact unit count that reaches it (the fewest such). One solve serves every target ratio of a
+    calibration and the K/V budget split (:func:`split_budget`).
+    """
+
+    best: np.ndarray
+    at: np.ndarray
+    choice: np.ndarray = field(repr=False)
+    cands: list[tuple[int, int, int]] = field(repr=False)
+    unit: int
+    rows: int
+
+    def units(self, budget_bits: float) -> int:
+        return int(min(budget_bits // self.unit, self.best.size - 1))
+
+    def error(self, budget_bits: float) -> float:
+        return float(self.best[self.units(budget_bits)])
+
+    def plan(self, budget_bits: float, **meta: Any) -> Plan:
+        b = int(self.at[self.units(budget_bits)])
+        groups = _backtrack(self.choice, self.cands, b)
+        return Plan(_run_length(groups), float(self.best[self.units(budget_bits)]), self.rows,
+                    exact=self.unit == 2, meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta})
+
+
+def error_curve(
+    coeffs: torch.Tensor,
+    max_budget_bits: float,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    types: Sequence[int] = DEFAULT_TYPES,
+    max_columns: int = DEFAULT_MAX_COLUMNS,
+) -> ErrorCurve:
+    """Solve the DP once for budgets up to ``max_budget_bits`` (see :class:`ErrorCurve`)."""
+    _check(coeffs, sizes)
+    drop, errs = candidate_errors(coeffs, sizes, types)
+    last, choice, cands, unit = _solve(drop, errs, max_budget_bits, max_columns)
+    best = np.minimum.accumulate(last)
+    # first unit count reaching each new minimum (ties: fewer bits)
+    prev = np.concatenate([[np.inf], best[:-1]])
+    at = np.maximum.accumulate(np.where(last < prev, np.arange(last.size), 0))
+    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]))
+
+
+def split_budget(
+    a: ErrorCurve, b: ErrorCurve, total_bits: float, weight_a: float = 1.0, weight_b: float = 1.0
+) -> tuple[float, float]:
+    """Bits for two error curves that share ``total_bits``, minimising ``weight_a·err_a + weight_b·err_b``.
+
+    Exact over every split in budget units (both curves must use the same unit).
+    """
+    if a.unit != b.unit:
+        raise CalibrationError(f"error curves with different budget units ({a.unit} vs {b.unit} bits)")
+    total = int(total_bits // a.unit)
+    ua = np.arange(total + 1)
+    cost = weight_a * a.best[np.minimum(ua, a.best.size - 1)] + weight_b * b.best[np.minimum(total - ua, b.best.size - 1)]
+    i = int(np.argmin(cost))
+    return float(i * a.unit), float((total - i) * a.unit)
+
+
 def allocate(
     coeffs: torch.Tensor,
     budget_bits: float,
@@ -247,17 +310,9 @@ def allocate_many(
     types: Sequence[int] = DEFAULT_TYPES,
     max_columns: int = DEFAULT_MAX_COLUMNS,
 ) -> list[Plan]:
-    """:func:`allocate` for several budgets, measuring the candidate errors once."""
-    _check(coeffs, sizes)
-    drop, errs = candidate_errors(coeffs, sizes, types)
-    plans = []
-    for budget_bits in budgets_bits:
-        last, choice, cands, unit = _solve(drop, errs, budget_bits, max_columns)
-        b = int(np.argmin(last))
-        groups = _backtrack(choice, cands, b)
-        plans.append(Plan(_run_length(groups), float(last[b]), int(coeffs.shape[0]), exact=unit == 2,
-                          meta={"budget_bits": budget_bits, "unit_bits": unit}))
-    return plans
+    """:func:`allocate` for several budgets from one DP table (solved for the largest budget)."""
+    curve = error_curve(coeffs, max(budgets_bits), sizes, types, max_columns)
+    return [curve.plan(b) for b in budgets_bits]
 
 
 def allocate_for_error(

@@ -16,7 +16,7 @@ import torch
 from ..errors import CalibrationError
 from ..layout import KVLayout, PCAGrouping
 from .artifact import KINDS, Calibration, ratio_key
-from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES, Plan, allocate_many, budget_for_ratio
+from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES, ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
 from .pca import (
     DEFAULT_OVERSAMPLE,
     DEFAULT_POWER_ITERS,
@@ -27,8 +27,16 @@ from .pca import (
     randomized_pca,
 )
 
-#: the paper's ratios; one basis serves all of them
-DEFAULT_RATIOS: tuple[float, ...] = (8, 16, 32, 64)
+#: target ratios of a calibration; one basis serves all of them (the paper's 8/16/32/64 and points between,
+#: so that the quality-vs-bytes curve is dense where users choose)
+DEFAULT_RATIOS: tuple[float, ...] = (6, 7, 8, 12, 16, 24, 32, 48, 64)
+#: how a ratio's bits are divided between keys and values: "joint" (one budget of 2·16p/CR shared by K and V,
+#: split to minimise the weighted relative errors; ours) or "equal" (16p/CR each)
+KV_SPLITS = ("joint", "equal")
+#: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
+#: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
+#: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
+DEFAULT_VALUE_WEIGHT = 2.0
 
 Source = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
 
@@ -76,12 +84,18 @@ def fit_calibration(
     device: torch.device | str = "cpu",
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    kv_split: str = "joint",
+    value_weight: float = DEFAULT_VALUE_WEIGHT,
 ) -> Calibration:
     """PCA + DP for keys and values and every PCA group. The basis is cut to the components some plan keeps.
 
     ``rows`` yields ``(key_rows, value_rows)`` pairs of ``[n, p]`` tensors (a list, or a function returning
     a fresh iterator). The exact PCA consumes it in one pass (so a model forward pass producing the rows
     runs once); the randomized PCA passes over it ``3 + power_iters`` times per kind and needs a function.
+
+    ``kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR`` bits
+    per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
+    calibration rows) is least; ``"equal"`` gives each ``16p/CR`` (the paper's rule applied per kind).
     """
     say = progress or (lambda _msg: None)
     cols = grouping.columns(layout)
@@ -89,6 +103,10 @@ def fit_calibration(
     use_exact = method == "exact" or (method == "auto" and max(c.numel() for c in cols) <= EXACT_MAX_FEATURES)
     if method not in ("auto", "exact", "randomized"):
         raise CalibrationError(f"unknown PCA method {method!r}; use 'exact', 'randomized' or 'auto'")
+    if kv_split not in KV_SPLITS:
+        raise CalibrationError(f"unknown K/V budget split {kv_split!r}; use one of {', '.join(KV_SPLITS)}")
+    if not value_weight > 0:
+        raise CalibrationError(f"value_weight must be positive, got {value_weight}")
     if not use_exact and not callable(rows):
         raise CalibrationError("randomized PCA passes over the rows several times: pass a function returning them")
     reservoirs = {kind: _Reservoir(dp_rows, seed + i) for i, kind in enumerate(KINDS)}
@@ -121,26 +139,46 @@ def fit_calibration(
     stats["seconds"]["pca"] = round(time.perf_counter() - t0, 3)
     pcas: dict[str, list[PCAResult]] = {}
     plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
+    stats["kv_split"] = {"mode": kv_split, "value_weight": value_weight if kv_split == "joint" else None,
+                         "value_share": {}}
     t0 = time.perf_counter()
     for kind in KINDS:
         res = reservoirs[kind]
         if res.rows is None or res.rows.shape[0] < 2:
             raise CalibrationError("no calibration rows were given")
-        keep = [0] * len(cols)
-        for g, (pca, c) in enumerate(zip(results[kind], cols)):
-            x = res.rows[:, c] - pca.mean
+    keep = {kind: [0] * len(cols) for kind in KINDS}
+    share = 2.0 if kv_split == "joint" else 1.0
+    for g, c in enumerate(cols):
+        curves: dict[str, ErrorCurve] = {}
+        energy: dict[str, float] = {}
+        resid: dict[str, float] = {}
+        budgets = [budget_for_ratio(c.numel(), r) for r in ratios]
+        for kind in KINDS:
+            pca = results[kind][g]
+            x = reservoirs[kind].rows[:, c] - pca.mean
             coeffs = x @ pca.basis.T
-            energy = float(x.double().square().sum())
-            resid = energy - float(coeffs.double().square().sum())
-            say(f"{kind}: bit plans for group {g}")
-            budgets = [budget_for_ratio(c.numel(), r) for r in ratios]
-            for r, plan in zip(ratios, allocate_many(coeffs, budgets, sizes, types)):
+            energy[kind] = max(float(x.double().square().sum()), 1e-30)
+            resid[kind] = max(energy[kind] - float(coeffs.double().square().sum()), 0.0)
+            say(f"{kind}: bit allocation table for group {g}")
+            curves[kind] = error_curve(coeffs, share * max(budgets), sizes, types)
+            del x, coeffs
+        for r, budget in zip(ratios, budgets):
+            if kv_split == "joint":
+                bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget,
+                                      1.0 / energy["keys"], value_weight / energy["values"])
+            else:
+                bk = bv = budget
+            stats["kv_split"]["value_share"].setdefault(ratio_key(r), []).append(round(bv / max(bk + bv, 1e-30), 4))
+            for kind, b in (("keys", bk), ("values", bv)):
+                plan = curves[kind].plan(b, ratio_budget_bits=budget, kv_split=kv_split)
                 plans[ratio_key(r)][kind].append(plan)
-                keep[g] = max(keep[g], plan.kept_components)
+                keep[kind][g] = max(keep[kind][g], plan.kept_components)
                 stats["predicted_relative_error"].setdefault(ratio_key(r), {}).setdefault(kind, []).append(
-                    (plan.predicted_error + max(resid, 0.0)) / max(energy, 1e-30)
+                    (plan.predicted_error + resid[kind]) / energy[kind]
                 )
-        pcas[kind] = [pca.truncate(max(k, 1)) for pca, k in zip(results[kind], keep)]
+        del curves
+    for kind in KINDS:
+        pcas[kind] = [pca.truncate(max(k, 1)) for pca, k in zip(results[kind], keep[kind])]
     stats["seconds"]["dp"] = round(time.perf_counter() - t0, 3)
     stats["samples"] = pcas["keys"][0].samples
     return Calibration(
@@ -172,4 +210,4 @@ def _check_rows(rows: torch.Tensor, p: int) -> None:
         raise CalibrationError(f"calibration rows must be [n, {p}] tensors, got {shape}")
 
 
-__all__ = ["DEFAULT_RATIOS", "KINDS", "fit_calibration"]
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_VALUE_WEIGHT", "KINDS", "KV_SPLITS", "fit_calibration"]

@@ -82,7 +82,8 @@ def greedy_allocate(
 def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
                        ratios: Sequence[float], max_rows: int = 1024, seed: int = 0) -> Calibration:
     """``calibration``'s bases with greedy plans for ``ratios``, measured on up to ``max_rows`` of ``rows``
-    (``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded)."""
+    (``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded). Each kind gets the bits the
+    calibration's DP plan spends on it, so the ablation compares allocators at the same K/V split."""
     keys = torch.cat([k for k, _ in rows])
     values = torch.cat([v for _, v in rows])
     gen = torch.Generator().manual_seed(seed)
@@ -95,7 +96,10 @@ def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tens
             pca = calibration.pcas[kind][g]
             coeffs = (x[:, cols] - pca.mean) @ pca.basis.T
             for r in ratios:
-                plans[ratio_key(r)][kind].append(greedy_allocate(coeffs, budget_for_ratio(cols.numel(), r)))
+                # the DP plan's own bits for this kind (after its K/V split), or the equal share without one
+                dp_plan = calibration.plans.get(ratio_key(r), {}).get(kind)
+                budget = dp_plan[g].bits_per_token if dp_plan else budget_for_ratio(cols.numel(), r)
+                plans[ratio_key(r)][kind].append(greedy_allocate(coeffs, budget))
     return Calibration(calibration.layout, calibration.grouping, calibration.pcas, plans, calibration.rope,
                        calibration.model_id, dict(calibration.corpus, allocator="greedy"),
                        dict(calibration.stats))

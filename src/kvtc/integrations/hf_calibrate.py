@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW_TOKENS = 1024
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
+#: names the fitting recipe of the cached default calibration (ratio grid, K/V split); a new recipe is a new file
+DEFAULT_RECIPE = "r2"
 
 
 def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None) -> Iterator[torch.Tensor]:
@@ -160,7 +162,7 @@ def default_calibration(tokens: int = DEFAULT_TOKENS, progress: bool = True) -> 
     use and cached; returns its path."""
     from .. import assets
 
-    path = assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{tokens}.safetensors"
+    path = assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{tokens}-{DEFAULT_RECIPE}.safetensors"
     if path.is_file():
         return path
     with assets.file_lock(path.with_suffix(".lock")):
