@@ -117,3 +117,51 @@ def test_kvtc_eval_quick_end_to_end(smollm2, tiny_calibration, tmp_path, capsys)
     assert (out / "eval.md").read_text().count("|") > 10
     assert (out / "eval.png").stat().st_size > 1000
     assert "kvtc 16x" in capsys.readouterr().out
+
+
+def _row(method: str, curve: str, ratio: float, dppl: float, **kw) -> dict:
+    return {"method": method, "curve": curve, "ratio": ratio, "delta_ppl_pct": dppl, **kw}
+
+
+def test_acceptance_compares_curves_only_where_both_exist() -> None:
+    from kvtc.eval.suite import acceptance
+
+    kv = [_row("kvtc 7x", "kvtc", 8.1, 0.05, target=7.0), _row("kvtc 16x", "kvtc", 18.0, 1.0, target=16.0),
+          _row("kvtc 32x", "kvtc", 36.0, 3.0, target=32.0)]
+    base = [_row("KIVI 4-bit", "kivi-4bit", 3.2, 0.1), _row("StreamingLLM 8x", "eviction", 8.0, 7.0),
+            _row("StreamingLLM 16x", "eviction", 16.0, 9.0), _row("StreamingLLM 32x", "eviction", 32.0, 11.0)]
+    checks = acceptance({"storage_roundtrip": kv + base})
+    # the smallest achieved ratio >= 8 is kvtc's 8x point, whatever its target was called
+    assert checks["kvtc_8x_vs_kivi4"]["kvtc_method"] == "kvtc 7x" and checks["kvtc_8x_vs_kivi4"]["pass"]
+    below = checks["kvtc_curve_below_baselines"]
+    assert below["pass"] and below["no_common_ratio"] == ["kivi-4bit"]
+    # eviction is compared on the overlap [8.1, 32]: its own points 16 and 32, kvtc's 8.1 and 18
+    assert sorted(round(c["ratio"], 2) for c in below["compared"]) == [8.1, 16.0, 18.0, 32.0]
+    # 16x lies between kvtc's 8.1x and 18x points: linear in log(ratio)
+    import math
+
+    at16 = next(c for c in below["compared"] if c["ratio"] == 16.0)
+    t = math.log(16 / 8.1) / math.log(18 / 8.1)
+    assert at16["kvtc_delta_ppl_pct"] == pytest.approx(0.05 + t * 0.95) and at16["baseline_delta_ppl_pct"] == 9.0
+    # a baseline better than kvtc somewhere in the overlap fails the check
+    worse = acceptance({"storage_roundtrip": kv + [_row("X 24x", "x", 24.0, 1.2)]})["kvtc_curve_below_baselines"]
+    assert not worse["pass"] and worse["not_below"] == ["x at 24.00x"]
+    # KIVI 4-bit better than kvtc's >= 8x point fails the 8x bar
+    assert not acceptance({"storage_roundtrip": kv[1:] + base})["kvtc_8x_vs_kivi4"]["pass"]
+
+
+def test_classic_passkey_prompts_hold_the_needle_in_filler() -> None:
+    from transformers import AutoTokenizer
+
+    from kvtc import assets
+    from kvtc.eval.protocols import PASSKEY_FILLER, passkey_prompts
+
+    tok = AutoTokenizer.from_pretrained(assets.smollm2_dir())
+    prompts = passkey_prompts(tok, [PASSKEY_FILLER * 200], [1024], [0.1, 0.9], 2, seed=3)
+    assert len(prompts) == 4 and len({p.answer for p in prompts}) == 4
+    for p in prompts:
+        assert p.ids.numel() == 1024
+        text = tok.decode(p.ids)
+        assert f"The pass key is {p.answer}." in text and "The grass is green." in text
+        assert text.rstrip().endswith("The pass key is")
+    assert prompts[0].needle_position < prompts[2].needle_position

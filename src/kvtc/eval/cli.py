@@ -53,6 +53,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--retrieval-prompts", type=int, default=DEFAULT_RETRIEVAL_PROMPTS)
     p.add_argument("--retrieval-lengths", type=_ints, default=None)
+    p.add_argument("--retrieval-haystack", choices=("filler", "text"), default="filler",
+                   help="filler: the classic pass-key test (repeated filler sentences, default); "
+                        "text: the needle hidden in the evaluation text")
     p.add_argument("--quick", action="store_true", help="one window, kvtc 16x and KIVI 2-bit, round trip only")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=Path("kvtc-eval"), help="output folder (default: ./kvtc-eval)")
@@ -73,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         return EvalConfig.quick_config(**kw)
     kw.update(baselines=not args.no_baselines, ablations=not args.no_ablations, ablation_tokens=args.ablation_tokens,
               conversation=not args.no_conversation, retrieval=not args.no_retrieval,
-              retrieval_prompts=args.retrieval_prompts)
+              retrieval_prompts=args.retrieval_prompts, retrieval_haystack=args.retrieval_haystack)
     if args.retrieval_lengths:
         kw["retrieval_lengths"] = args.retrieval_lengths
     return EvalConfig(**kw)

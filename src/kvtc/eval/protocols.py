@@ -5,7 +5,8 @@
 2. :func:`conversation`: the paper's simulated conversation: while teacher-forcing a long text, the tokens
    that leave the raw window are compressed every ``step`` tokens (the raw tail stays between
    ``window - step`` and ``window`` tokens), so every prediction after the first window sees lossy history.
-3. :func:`retrieval`: pass-key prompts (a needle sentence hidden at a depth of a haystack of evaluation text),
+3. :func:`retrieval`: pass-key prompts (a needle sentence hidden at a depth of a haystack: the classic repeated
+   filler, or evaluation text),
    greedy answers from the exact and the lossy cache, exact-match accuracy.
 
 Every prediction a lossy method is scored on is made *through* its lossy cache: a window of ``context``
@@ -236,6 +237,11 @@ PASSKEY_INTRO = ("There is an important piece of information hidden inside a lot
                  "Find it and memorize it. I will quiz you about it.\n\n")
 PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+#: the classic pass-key haystack (Mohtashami & Jaggi, 2023): a repeated filler the needle stands out from
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+#: haystacks of the retrieval protocol: "filler" (the classic pass-key test) or "text" (the evaluation text:
+#: a needle in real prose, harder for small models)
+HAYSTACKS = ("filler", "text")
 
 
 @dataclass

@@ -96,7 +96,9 @@ def markdown(result: dict[str, Any]) -> str:
         lengths = sorted({p["length"] for p in recs})
         lines.append("")
         lines.append(f"Retrieval: {len(recs)} pass-key prompts of {', '.join(map(str, lengths))} tokens "
-                     f"(needle in a haystack of evaluation text at depths "
+                     f"(needle in a haystack of "
+                     f"{'evaluation text' if cfg.get('retrieval_haystack') == 'text' else 'the classic repeated filler'}"
+                     f" at depths "
                      f"{', '.join(_f(d) for d in cfg['retrieval_depths'])}; greedy answer, exact match).")
         lines.append("")
         lines.append("| cache | ratio | accuracy | answers lost vs exact |")
