@@ -211,14 +211,50 @@ class RopeSpec:
         """
         return self._rotate_all(keys, positions, layers, inverse=False)
 
+    def apply_to_heads(self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`apply`, returned as ``[len(layers), batch, heads, tokens, head_dim]`` in ``dtype`` (default: the
+        keys'): ``out[i]`` is layer ``i``'s contiguous ``[B, H, T, D]``, the layout Hugging Face caches use.
+
+        On CUDA with the fused kernels (half-split pairs, one rotary width) this is one pass over the keys
+        (:mod:`kvtc.kernels.triton_rope`); elsewhere :meth:`apply` followed by a permute.
+        """
+        layers = tuple(layers)
+        dtype = dtype or keys.dtype
+        self._check_keys(keys, positions, layers)
+        if keys.is_cuda and not self.interleaved and keys.dtype != torch.float64:
+            from . import kernels
+
+            widths = {k.rotary_dim for k in map(self.kind_of, layers) if k is not None and k.rotary_dim}
+            d = self.head_dim
+            if kernels.available(keys.device) and len(widths) <= 1 and not d & (d - 1):
+                positions = positions.to(keys.device)
+                names: list[str] = []
+                cs: list[tuple[torch.Tensor, torch.Tensor]] = []
+                index = []
+                for layer in layers:
+                    kind = self.kind_of(layer)
+                    if kind is None or not kind.rotary_dim:
+                        index.append(-1)
+                        continue
+                    if kind.name not in names:
+                        c, s = _compact_cos_sin(kind, positions, torch.float32)
+                        names.append(kind.name)
+                        cs.append((c * kind.attention_scaling, s * kind.attention_scaling))
+                    index.append(names.index(kind.name))
+                r = widths.pop() if widths else 2
+                if not cs:
+                    z = torch.zeros((1, *keys.shape[:2], r // 2), device=keys.device)
+                    cs = [(z, z)]
+                return kernels.rope_to_heads(keys, torch.stack([c for c, _ in cs]), torch.stack([s for _, s in cs]),
+                                             torch.tensor(index, dtype=torch.int32), r, dtype)
+        return self.apply(keys, positions, layers).to(dtype).permute(2, 0, 3, 1, 4).contiguous()
+
     def invert(self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Undo :meth:`apply`: rotate by ``-θ`` and divide by the attention scaling. Same shapes as :meth:`apply`."""
         return self._rotate_all(keys, positions, layers, inverse=True)
 
-    def _rotate_all(
-        self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int], *, inverse: bool
-    ) -> torch.Tensor:
-        layers = tuple(layers)
+    def _check_keys(self, keys: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...]) -> None:
         if keys.dim() != 5 or keys.shape[2] != len(layers) or keys.shape[4] != self.head_dim:
             raise LayoutError(
                 f"keys must be [batch, tokens, {len(layers)} layers, heads, {self.head_dim}], got {tuple(keys.shape)}"
@@ -230,6 +266,12 @@ class RopeSpec:
             )
         if not keys.is_floating_point():
             raise LayoutError(f"keys must be floating point, got {keys.dtype}")
+
+    def _rotate_all(
+        self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int], *, inverse: bool
+    ) -> torch.Tensor:
+        layers = tuple(layers)
+        self._check_keys(keys, positions, layers)
         positions = positions.to(keys.device)
         compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
         out = keys.to(compute).clone()

@@ -156,14 +156,15 @@ def rebuild_cache(
     kv.validate()
     dtype = model.dtype if model is not None else got.torch_dtype
     device = model.device if model is not None else kv.keys.device
-    keys = spec.apply(kv.keys, kv.positions, got.layers).to(device=device, dtype=dtype)
-    values = kv.values.to(device=device, dtype=dtype)
+    # [layers, batch, heads, tokens, head_dim]: each layer's [B, H, T, D] contiguous (one fused pass on CUDA)
+    keys = spec.apply_to_heads(kv.keys.to(device), kv.positions, got.layers, dtype)
+    values = kv.values.to(device=device, dtype=dtype).permute(2, 0, 3, 1, 4).contiguous()
 
     cache = DynamicCache(config=config)
     if linear_states is not None:
         _copy_linear_states(linear_states, cache)
     for i, li in enumerate(got.layers):
-        cache.update(keys[:, :, i].transpose(1, 2).contiguous(), values[:, :, i].transpose(1, 2).contiguous(), li)
+        cache.update(keys[i], values[i], li)
     return cache
 
 

@@ -42,4 +42,10 @@ def unpack_dequantize(*args, **kwargs):  # noqa: D103 - documented in triton_qua
     return f(*args, **kwargs)
 
 
-__all__ = ["available", "quantize_pack", "unpack_dequantize"]
+def rope_to_heads(*args, **kwargs):  # noqa: D103 - documented in triton_rope
+    from .triton_rope import rope_to_heads as f
+
+    return f(*args, **kwargs)
+
+
+__all__ = ["available", "quantize_pack", "rope_to_heads", "unpack_dequantize"]
