@@ -162,3 +162,46 @@ def test_precision_bf16_is_close_to_reference(setup):
         e_ref = float((x.float() - t.float()).square().sum())
         e_fast = float((y.float().cpu() - t.float()).square().sum())
         assert e_fast <= 1.1 * e_ref + 1e-6 * float(t.float().square().sum())
+
+
+def test_precision_fp8_is_close_to_reference_and_cpu_decodable(setup):
+    _kernels()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    cal, kv = setup
+    ref = Codec(cal, ratio=16)
+    fast = Codec(cal, ratio=16, device="cuda", precision="fp8")
+    a = ref.decode(ref.encode(kv))
+    blob = fast.encode(_cuda(kv))
+    for b in (fast.decode(blob, device="cuda"), ref.decode(blob)):  # fp8-encoded blobs are ordinary blobs
+        for x, y, t in ((a.keys, b.keys, kv.keys), (a.values, b.values, kv.values)):
+            e_ref = float((x.float() - t.float()).square().sum())
+            e_fast = float((y.float().cpu() - t.float()).square().sum())
+            # fp8 operands add about 1e-3 of the signal's energy to the codec's own error
+            assert e_fast <= 1.2 * e_ref + 3e-3 * float(t.float().square().sum())
+
+
+def test_rebuild_cache_on_gpu_equals_cpu_rebuild():
+    """rebuild_cache's fused RoPE path on CUDA gives the CPU path's cache (within one bf16 rounding)."""
+    _kernels()
+    transformers = pytest.importorskip("transformers")
+    from kvtc.integrations.hf import extract_slice, rebuild_cache
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, vocab_size=100, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 100, (2, 50), device="cuda")
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    kv = extract_slice(cache, model)
+    gpu = rebuild_cache(kv, model)
+    cpu = rebuild_cache(dataclasses.replace(kv, keys=kv.keys.cpu(), values=kv.values.cpu(),
+                                            positions=kv.positions.cpu()), cfg)
+    for li in range(3):
+        kg, kc = gpu.layers[li].keys, cpu.layers[li].keys
+        assert kg.shape == kc.shape
+        assert (kg.float().cpu() - kc.float()).abs().max() <= 2**-7 * kc.float().abs().max()
+        # and both equal what the model itself cached
+        assert (kg.float() - cache.layers[li].keys.float()).abs().max() <= 2**-6 * kc.float().abs().max()

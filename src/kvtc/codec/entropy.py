@@ -58,6 +58,11 @@ from . import nvcomp as _nvcomp  # noqa: E402 - needs Backend; imports nothing G
 
 BACKENDS[_nvcomp.NAME] = Backend(_nvcomp.NAME, _nvcomp.cpu_compress, _nvcomp.cpu_decompress)
 
+# per-stream canonical Huffman in 4 KiB blocks: Triton codes it on the GPU; its numpy twin decodes it anywhere
+from . import huffman as _huffman  # noqa: E402 - imports nothing GPU-side until asked
+
+BACKENDS[_huffman.NAME] = Backend(_huffman.NAME, _huffman.cpu_compress, _huffman.cpu_decompress)
+
 try:
     import zstandard as _zstd
 
