@@ -17,6 +17,7 @@ from kvtc import KVLayout
 from kvtc.calibration import fit_calibration
 from kvtc.codec import Codec
 from kvtc.codec import nvcomp as gpu_entropy
+from kvtc.codec.entropy import BACKENDS
 from kvtc.codec.packing import pack, packed_plane_bytes
 from kvtc.quant import FP8, INT2, INT4, TYPE_BITS, dequantize, quantize
 
@@ -92,7 +93,7 @@ def setup():
     return cal, kv
 
 
-@pytest.mark.parametrize("backend", ["zstd", gpu_entropy.NAME])
+@pytest.mark.parametrize("backend", [b for b in ("zstd", gpu_entropy.NAME, "huff4k") if b in BACKENDS])
 @pytest.mark.parametrize("ratio", [4, 16, 64])
 def test_cross_device_blobs_decode_to_the_same_reconstruction(setup, backend, ratio):
     _kernels()

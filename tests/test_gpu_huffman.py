@@ -155,18 +155,26 @@ def test_read_sections_mixed_backends(coder):
     from kvtc.codec.entropy import encode_stream
 
     raw = {"a": _int2(4096 * 3 + 1, 6).tobytes(), "b": b"xyz" * 100, "c": _int4(5000, 7).tobytes()}
-    coded = {"a": (H.NAME, H.cpu_compress(raw["a"])), "b": encode_stream(raw["b"], "zstd"),
+    coded = {"a": (H.NAME, H.cpu_compress(raw["a"])), "b": encode_stream(raw["b"], "zlib"),
              "c": (H.NAME, H.cpu_compress(raw["c"]))}
     sections = [types.SimpleNamespace(name=k, backend=v[0], raw=len(raw[k]), coded=len(v[1]), crc32=zlib.crc32(v[1]))
                 for k, v in coded.items()]
     header = types.SimpleNamespace(sections=sections)
     blob = b"HDR" + b"".join(v[1] for v in coded.values())
-    out = H.read_sections(blob, header, 3, {k: len(v) for k, v in raw.items()}, coder)
-    assert list(out) == ["a", "b", "c"]
-    assert np.array_equal(out["a"].cpu().numpy(), np.frombuffer(raw["a"], np.uint8))
-    assert out["b"] == raw["b"]
-    assert np.array_equal(out["c"].cpu().numpy(), np.frombuffer(raw["c"], np.uint8))
-    bad = bytearray(blob)
-    bad[10] ^= 1
-    with pytest.raises(FormatError, match="checksum"):
-        H.read_sections(bytes(bad), header, 3, {k: len(v) for k, v in raw.items()}, coder)
+    from kvtc.codec.container import read_sections
+
+    expected = {k: len(v) for k, v in raw.items()}
+    sources = [None]
+    if torch.cuda.is_available():
+        sources.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory())
+    for src in sources:  # bytes (staged through pinned memory) or a blob already in pinned memory
+        out = read_sections(blob, header, 3, expected, coder, H.NAME, src)
+        assert list(out) == ["a", "b", "c"]
+        assert np.array_equal(out["a"].cpu().numpy(), np.frombuffer(raw["a"], np.uint8))
+        assert out["b"] == raw["b"]
+        assert np.array_equal(out["c"].cpu().numpy(), np.frombuffer(raw["c"], np.uint8))
+    for pos in (10, len(blob) - 5):  # a code-length byte, a payload word: the checksum reports it first
+        bad = bytearray(blob)
+        bad[pos] ^= 1
+        with pytest.raises(FormatError, match="checksum"):
+            read_sections(bytes(bad), header, 3, expected, coder, H.NAME)

@@ -247,12 +247,12 @@ class Codec:
                 _, mid = self._split(t, s, w)
                 with clock("to_rows"):
                     rows = mid.reshape(-1, lay.num_features).to(self.device)
-                    if not (self._fused and self.precision == "bf16"):
+                    if not (self._fused and self.precision in ("bf16", "fp8")):
                         rows = rows.float()
                 payloads.extend(self._encode_rows(kind, rows, clock))
         with clock("entropy"):
             payloads = self._host_payloads(payloads, clock)
-            return container.write(header, payloads, self.backend)
+            return container.write(header, payloads, self.backend, timings)
 
     def _on_fused_device(self, t: torch.Tensor) -> bool:
         return self._fused and t.device.type == "cuda"
@@ -267,7 +267,8 @@ class Codec:
         coder = _device_coder(self.backend, self.device)[0]
         if coder is not None:
             with clock("gpu_entropy"):
-                coded = coder.compress([payloads[i][1] for i in dev])
+                code = getattr(coder, "compress_parts", coder.compress)
+                coded = code([payloads[i][1] for i in dev])
             for i, c in zip(dev, coded):
                 name, d = payloads[i]
                 out[i] = (name, Precoded(self.backend, c, d.numel(), lambda d=d: _host_bytes(d)))
@@ -315,7 +316,14 @@ class Codec:
         return out
 
     # ------------------------------------------------------------------ decode
-    def _open(self, blob: bytes, on_device: bool = False) -> tuple[container.Header, dict[str, Any]]:
+    def _open(self, blob: bytes | torch.Tensor, on_device: bool = False,
+              deferred: list[Any] | None = None) -> tuple[container.Header, dict[str, Any]]:
+        pinned = None
+        if isinstance(blob, torch.Tensor):  # a blob held in (pinned) host memory as a uint8 tensor
+            if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
+                raise FormatError("a tensor blob must be a 1-D uint8 CPU tensor (e.g. pinned host memory)")
+            pinned = blob if blob.is_pinned() else None
+            blob = memoryview(blob.numpy())
         header, body = container.read_header(blob)
         if header.mode == "kvtc":
             cal = self.calibration
@@ -330,9 +338,10 @@ class Codec:
         expected = self._expected_sections(header)
         if on_device and self._fused:
             for name in dict.fromkeys(x.backend for x in header.sections):
-                coder, module = _device_coder(name, self.device)
+                coder = _device_coder(name, self.device)[0]
                 if coder is not None:
-                    return header, module.read_sections(blob, header, body, expected, coder)
+                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned,
+                                                           deferred)
         return header, container.read_sections(blob, header, body, expected)
 
     def _expected_sections(self, h: container.Header) -> dict[str, int]:
@@ -353,14 +362,16 @@ class Codec:
                             exp[f"{kind}.{g}.{TYPE_NAMES[t]}"] = pl.plane_sizes[t] * packed_plane_bytes(n, TYPE_BITS[t], h.packing)
         return exp
 
-    def decode(self, blob: bytes, timings: dict[str, float] | None = None,
+    def decode(self, blob: bytes | torch.Tensor, timings: dict[str, float] | None = None,
                device: torch.device | str | None = None) -> KVSlice:
         """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
-        (default: CPU)."""
+        (default: CPU). ``blob``: bytes, or a 1-D uint8 CPU tensor holding them (pinned host memory lets a GPU
+        codec copy the coded streams to the device without staging)."""
         clock = _Clock(timings)
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
+        checks: list[Any] = []  # checksums still running on host threads (GPU path): verified before returning
         with clock("parse"):
-            header, secs = self._open(blob, on_device=True)
+            header, secs = self._open(blob, on_device=True, deferred=checks)
         lay = header.layout
         B, T = header.batch, header.tokens
         s, w = header.protected
@@ -378,6 +389,9 @@ class Codec:
                 with clock("to_tokens"):
                     full[:, s : T - w] = rows.to(dt).to(out_dev).reshape(B, header.middle_tokens, *shape[2:])
             out[kind] = full
+        with clock("verify"):
+            for check in checks:
+                check()
         return KVSlice(lay, out["keys"], out["values"], positions, header.model_id)
 
     def _coefficients(self, kind: str, g: int, header: container.Header, secs: dict[str, bytes],
@@ -392,7 +406,9 @@ class Codec:
                           for t, c in pl.plane_sizes.items()}
             with clock("dequantize"):
                 cdt = torch.bfloat16 if self.precision == "bf16" else torch.float32
-                coeffs = torch.zeros((n, pl.components), dtype=cdt, device=self.device)
+                # fp8 matmuls want a multiple of 16 components: the extra columns stay zero
+                kc = -(-pl.components // 16) * 16 if self._fp8 else pl.components
+                coeffs = torch.zeros((n, kc), dtype=cdt, device=self.device)
                 for b in pl.buckets:
                     kernels.unpack_dequantize(coeffs, *b.starts(self.device), b.qtype, b.size, params,
                                               planes[b.qtype], header.packing)
@@ -527,7 +543,7 @@ _FP8_MAX = 448.0
 
 
 def _gpu_entropy_modules() -> list[Any]:
-    """Modules of the entropy backends that have a GPU coder (each: NAME, device_coder, read_sections)."""
+    """Modules of the entropy backends that have a GPU coder (each: NAME, device_coder)."""
     mods = [gpu_entropy]
     try:
         from . import huffman
@@ -546,9 +562,11 @@ def _device_coder(backend: str, device: torch.device) -> tuple[Any, Any]:
 
 
 def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [n, m]`` -> (E4M3 values, float32 per-row scales ``[n, 1]``) for ``torch._scaled_mm``."""
-    scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp(min=1e-30)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+    """``x [n, m]`` -> (E4M3 values, float32 per-row scales ``[n, 1]``) for ``torch._scaled_mm`` (the
+    division runs in ``x``'s own dtype: no float32 copy of a bf16 input)."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp(min=1e-30).to(x.dtype)
+    q = (x / scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.float()
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError, LayoutError
 from ..layout import KVLayout
-from .entropy import decode_stream, encode_stream
+from .crc import crc32_combine, crc32_many, crc32_submit
+from .entropy import Parts, decode_stream, encode_stream
 from .packing import PACKINGS
 
 MAGIC = b"KVTC"
@@ -95,18 +97,36 @@ class Header:
         }
 
 
-def write(header: Header, payloads: list[tuple[str, bytes]], backend: str) -> bytes:
-    """Entropy-code each named payload with ``backend`` (raw fallback) and assemble the container."""
-    sections, bodies = [], []
-    for name, data in payloads:
-        used, coded = encode_stream(data, backend)
-        sections.append(Section(name, used, len(data), len(coded), zlib.crc32(coded)))
-        bodies.append(coded)
+def write(header: Header, payloads: list[tuple[str, Any]], backend: str,
+          timings: dict[str, float] | None = None) -> bytes:
+    """Entropy-code each named payload with ``backend`` (raw fallback) and assemble the container.
+    ``timings``: receives seconds of its steps (``container.code``, ``container.crc``, ``container.join``)."""
+    t0 = time.perf_counter()
+    coded_all = [encode_stream(data, backend) for _, data in payloads]
+    t1 = time.perf_counter()
+    # a section is one buffer or several (Parts); every piece is checksummed on host threads, then combined
+    pieces = [list(c.buffers) if isinstance(c, Parts) else [c] for _, c in coded_all]
+    flat = crc32_many([b for ps in pieces for b in ps])
+    crcs, i = [], 0
+    for ps in pieces:
+        crc = None
+        for b in ps:
+            crc = flat[i] if crc is None else crc32_combine(crc, flat[i], len(b))
+            i += 1
+        crcs.append(crc or 0)
+    bodies = [b for ps in pieces for b in ps]
+    t2 = time.perf_counter()
+    sections = [Section(name, used, len(data), len(coded), crc)
+                for (name, data), (used, coded), crc in zip(payloads, coded_all, crcs)]
     header.sections = sections
     hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
     if len(hdr) > MAX_HEADER_BYTES:
         raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
-    return b"".join([PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies])
+    out = b"".join([PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies])
+    if timings is not None:
+        timings.update({"container.code": t1 - t0, "container.crc": t2 - t1,
+                        "container.join": time.perf_counter() - t2})
+    return out
 
 
 def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
@@ -142,24 +162,59 @@ def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
 
 
 def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: int,
-                  expected_raw: dict[str, int] | None = None) -> dict[str, bytes]:
-    """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived."""
-    blob = memoryview(blob)
+                  expected_raw: dict[str, int] | None = None, coder: Any = None, backend: str | None = None,
+                  pinned: Any = None, deferred: list[Any] | None = None) -> dict[str, Any]:
+    """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived.
+
+    With ``coder`` (the GPU coder of entropy backend ``backend``), that backend's sections are decoded on its
+    device in one batch into uint8 device tensors (``pinned``: the blob itself as a pinned uint8 host tensor, so
+    the coder copies from it to the device without staging); the CRC-32s are then checked on host threads while
+    the device decodes, and a mismatch raises before anything is returned. Other sections decode on the CPU.
+    ``deferred``: a list that receives the checksum check of the device-decoded sections instead of running it
+    here, so that it overlaps the caller's device work; the caller must run it before handing anything out.
+    """
+    blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
     if expected_raw is not None:
         names = [s.name for s in header.sections]
         if names != list(expected_raw):
             raise FormatError(f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}")
-    out: dict[str, bytes] = {}
-    off = body
+    chunks, offsets, off = [], [], body
     for s in header.sections:
         if expected_raw is not None and expected_raw[s.name] != s.raw:
             raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
-        chunk = blob[off : off + s.coded]
+        chunks.append(blob[off : off + s.coded])
+        offsets.append(off)
         off += s.coded
-        if zlib.crc32(chunk) != s.crc32:
-            raise FormatError(f"section {s.name}: checksum mismatch; the blob is corrupt")
-        out[s.name] = decode_stream(bytes(chunk), s.backend, s.raw)
-    return out
+    pending = crc32_submit(chunks)
+    out: dict[str, Any] = {}
+    on_device = [i for i, s in enumerate(header.sections) if coder is not None and s.backend == backend]
+    device_error: FormatError | None = None
+    if on_device:
+        raws = [header.sections[i].raw for i in on_device]
+        try:
+            if pinned is not None and hasattr(coder, "decompress_pinned"):
+                dec = coder.decompress_pinned(pinned, [offsets[i] for i in on_device],
+                                              [header.sections[i].coded for i in on_device], raws)
+            else:
+                dec = coder.decompress([chunks[i] for i in on_device], raws)
+            out.update({header.sections[i].name: t for i, t in zip(on_device, dec)})
+        except FormatError as e:  # reported after the checksums: a damaged blob says so first
+            device_error = e
+    def check() -> None:
+        for s, crc in zip(header.sections, pending.result()):
+            if crc != s.crc32:
+                raise FormatError(f"section {s.name}: checksum mismatch; the blob is corrupt")
+
+    if device_error is not None or deferred is None:
+        check()
+    if device_error is not None:
+        raise device_error
+    if deferred is not None:
+        deferred.append(check)
+    for i, s in enumerate(header.sections):
+        if s.name not in out:
+            out[s.name] = decode_stream(bytes(chunks[i]), s.backend, s.raw)
+    return {s.name: out[s.name] for s in header.sections}
 
 
 def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:

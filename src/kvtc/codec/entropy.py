@@ -103,6 +103,21 @@ def get_backend(name: str) -> Backend:
         ) from None
 
 
+class Parts:
+    """A coded stream held as consecutive buffers (e.g. a small header in bytes and the payload still in a
+    pinned host buffer), joined only when the container is assembled: one copy instead of two."""
+
+    def __init__(self, buffers: list[bytes | memoryview]):
+        self.buffers = [memoryview(b).cast("B") for b in buffers]
+        self.nbytes = sum(len(b) for b in self.buffers)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.buffers)
+
+
 @dataclass(frozen=True)
 class Precoded:
     """A stream already coded before the container is written (by a GPU coder of ``backend``).
@@ -111,7 +126,7 @@ class Precoded:
     """
 
     backend: str
-    coded: bytes
+    coded: bytes | Parts
     raw_len: int
     raw: Callable[[], bytes]
 

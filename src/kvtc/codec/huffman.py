@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import struct
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -568,6 +567,13 @@ class DeviceCoder:
 
     def compress(self, tensors: list[torch.Tensor]) -> list[bytes]:
         """Code each uint8 device tensor; returns one ``huff4k`` stream per tensor (what cpu_compress writes)."""
+        return [bytes(p) for p in self.compress_parts(tensors)]
+
+    def compress_parts(self, tensors: list[torch.Tensor]) -> list[Any]:
+        """:meth:`compress` with each stream as :class:`~kvtc.codec.entropy.Parts`: its header bytes and its
+        words as a view of one pinned host buffer (the container joins them: no per-stream copy)."""
+        from .entropy import Parts
+
         torch = self.torch
         enc = self.encode_device(tensors)
         t0 = time.perf_counter()
@@ -581,13 +587,20 @@ class DeviceCoder:
         for i, (a, b) in enumerate(enc["spans"]):
             ws = enc["wstart"][i]
             cnt = enc["words"][a:b]
-            out.append(_frame(enc["lengths"][i], cnt, h[ws : ws + int(cnt.sum())]))
+            counts = np.asarray(cnt, dtype="<u2")
+            head = b"".join([pack_lengths(enc["lengths"][i]), _U32.pack(len(counts)), counts.tobytes()])
+            out.append(Parts([head, h[ws : ws + int(cnt.sum())]]))
         self.last = {**self.last, "d2h_s": t1 - t0, "frame_s": time.perf_counter() - t1}
         return out
 
     # ---- decode
-    def stage(self, streams: list[bytes | memoryview], raw_lens: list[int]) -> dict[str, Any]:
-        """Validate the streams' headers and copy their words to the device (through pinned memory)."""
+    def stage(self, streams: list[bytes | memoryview], raw_lens: list[int],
+              pinned: tuple[Any, list[int]] | None = None) -> dict[str, Any]:
+        """Validate the streams' headers and copy their words to the device (through pinned memory).
+
+        ``pinned``: ``(tensor, offsets)`` when the streams lie in a pinned uint8 host tensor at those byte
+        offsets: their span goes to the device in one copy and each stream's words are then aligned there
+        (no host staging)."""
         torch = self.torch
         dev = self.device
         t0 = time.perf_counter()
@@ -601,14 +614,26 @@ class DeviceCoder:
         for n in raw_lens:  # every stream's output starts 16-byte aligned (the kernel stores 8 bytes at a time)
             obase.append(out_bytes)
             out_bytes += _align(n)
-        staging = torch.empty(max(w, 1), dtype=torch.int32, pin_memory=self.cuda)
-        buf = staging.numpy()
-        jobs = []
-        for s, p, wb, k in zip(streams, parsed, wbase, nwords):
-            src = np.frombuffer(memoryview(s).cast("B")[p.head :], dtype="<i4")
-            for j in range(0, k, _COPY_WORDS):
-                jobs.append((buf[wb + j : wb + min(k, j + _COPY_WORDS)], src[j : j + _COPY_WORDS]))
-        list(self.pool.map(lambda j: j[0].__setitem__(slice(None), j[1]), jobs))  # numpy copies drop the GIL
+        staging = d_words = None
+        if pinned is not None:
+            src_t, offs = pinned
+            lo = min(offs) if offs else 0
+            hi = max((o + len(memoryview(x)) for o, x in zip(offs, streams)), default=lo)
+            d_raw = src_t[lo:hi].to(dev, non_blocking=True)
+            d_words = torch.empty(max(w, 1), dtype=torch.int32, device=dev)
+            d_bytes = d_words.view(torch.uint8)
+            for o, p, wb, k in zip(offs, parsed, wbase, nwords):
+                a = o - lo + p.head
+                d_bytes[4 * wb : 4 * (wb + k)].copy_(d_raw[a : a + 4 * k])
+        else:
+            staging = torch.empty(max(w, 1), dtype=torch.int32, pin_memory=self.cuda)
+            buf = staging.numpy()
+            jobs = []
+            for s, p, wb, k in zip(streams, parsed, wbase, nwords):
+                src = np.frombuffer(memoryview(s).cast("B")[p.head :], dtype="<i4")
+                for j in range(0, k, _COPY_WORDS):
+                    jobs.append((buf[wb + j : wb + min(k, j + _COPY_WORDS)], src[j : j + _COPY_WORDS]))
+            list(self.pool.map(lambda j: j[0].__setitem__(slice(None), j[1]), jobs))  # numpy copies drop the GIL
         dtab = np.concatenate([decode_table(p.lengths).astype(np.int16) for p in parsed] + [np.zeros(0, np.int16)])
         blk_wo = np.concatenate([wb + np.concatenate(([0], np.cumsum(p.words)[:-1])).astype(np.int64)
                                  for p, wb in zip(parsed, wbase) if len(p.words)] + [np.zeros(0, np.int64)])
@@ -623,7 +648,8 @@ class DeviceCoder:
         meta = torch.from_numpy(np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab]))
         meta = meta.pin_memory() if self.cuda else meta
         d_meta = meta.to(dev, non_blocking=True)
-        d_words = staging.to(dev, non_blocking=True)
+        if d_words is None:
+            d_words = staging.to(dev, non_blocking=True)
         d_tab = torch.from_numpy(dtab if len(dtab) else np.zeros(1, np.int16)).to(dev, non_blocking=True)
         self._sync()
         t2 = time.perf_counter()
@@ -646,6 +672,17 @@ class DeviceCoder:
                                   "count within exactly its words, or nonzero padding)")
         return [out[o : o + n] for o, n in zip(st["obase"], st["raw_lens"])]
 
+    def decompress_pinned(self, pinned: torch.Tensor, offsets: list[int], coded_lens: list[int],
+                          raw_lens: list[int]) -> list[torch.Tensor]:
+        """:meth:`decompress` of streams lying in ``pinned`` (a pinned uint8 host tensor) at ``offsets``."""
+        mv = memoryview(pinned.numpy())
+        streams = [mv[o : o + n] for o, n in zip(offsets, coded_lens)]
+        st = self.stage(streams, raw_lens, pinned=(pinned, list(offsets)))
+        t0 = time.perf_counter()
+        res = self.decode_device(st)
+        self.last = {**self.last, "gpu_decode_s": time.perf_counter() - t0}
+        return res
+
     def decompress(self, streams: list[bytes | memoryview], raw_lens: list[int]) -> list[torch.Tensor]:
         """Decode ``huff4k`` streams into uint8 device tensors of exactly ``raw_lens`` bytes."""
         st = self.stage(streams, raw_lens)
@@ -653,41 +690,6 @@ class DeviceCoder:
         res = self.decode_device(st)
         self.last = {**self.last, "gpu_decode_s": time.perf_counter() - t0}
         return res
-
-
-def read_sections(blob: bytes | bytearray | memoryview, header: Any, body: int, expected_raw: dict[str, int],
-                  coder: DeviceCoder) -> dict[str, Any]:
-    """:func:`kvtc.codec.container.read_sections` with the ``huff4k`` sections decoded on the GPU (one
-    batch) into uint8 device tensors; the same checks (names, declared sizes, CRC-32, bounded output)."""
-    from .entropy import decode_stream
-
-    blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
-    names = [x.name for x in header.sections]
-    if names != list(expected_raw):
-        raise FormatError(f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}")
-    chunks, off = [], body
-    for x in header.sections:
-        if expected_raw[x.name] != x.raw:
-            raise FormatError(f"section {x.name}: {x.raw} bytes declared, {expected_raw[x.name]} expected")
-        chunks.append(blob[off : off + x.coded])
-        off += x.coded
-    t0 = time.perf_counter()
-    crcs = list(coder.pool.map(zlib.crc32, chunks))  # zlib releases the GIL on large buffers
-    t_crc = time.perf_counter() - t0
-    for x, crc in zip(header.sections, crcs):
-        if crc != x.crc32:
-            raise FormatError(f"section {x.name}: checksum mismatch; the blob is corrupt")
-    out: dict[str, Any] = {}
-    gpu = [i for i, x in enumerate(header.sections) if x.backend == NAME]
-    for i, x in enumerate(header.sections):
-        if x.backend != NAME:
-            out[x.name] = decode_stream(bytes(chunks[i]), x.backend, x.raw)
-    if gpu:
-        dec = coder.decompress([chunks[i] for i in gpu], [header.sections[i].raw for i in gpu])
-        for i, t in zip(gpu, dec):
-            out[header.sections[i].name] = t
-    coder.last = {**coder.last, "crc_s": t_crc}
-    return {x.name: out[x.name] for x in header.sections}
 
 
 _CODERS: dict[int, DeviceCoder] = {}
@@ -716,4 +718,4 @@ def device_coder(backend: str, device: Any) -> DeviceCoder | None:
 
 __all__ = ["NAME", "BLOCK", "MAX_LEN", "code_lengths", "code_lengths_batch", "canonical_codes", "encode_table",
            "encode_tables", "decode_table",
-           "cpu_compress", "cpu_decompress", "parse", "DeviceCoder", "device_coder", "read_sections"]
+           "cpu_compress", "cpu_decompress", "parse", "DeviceCoder", "device_coder"]

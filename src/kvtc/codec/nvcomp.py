@@ -209,41 +209,6 @@ def _align(n: int, a: int = 16) -> int:
     return -(-n // a) * a
 
 
-def read_sections(blob: bytes | bytearray | memoryview, header: Any, body: int, expected_raw: dict[str, int],
-                  coder: DeviceCoder) -> dict[str, bytes | torch.Tensor]:
-    """:func:`kvtc.codec.container.read_sections` with the ``deflate64k`` sections decoded on the GPU (one
-    batch) into uint8 device tensors; the same checks (names, declared sizes, CRC-32, bounded output)."""
-    from .entropy import decode_stream
-
-    blob = memoryview(blob)
-    names = [x.name for x in header.sections]
-    if names != list(expected_raw):
-        raise FormatError(f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}")
-    chunks, off = [], body
-    for x in header.sections:
-        if expected_raw[x.name] != x.raw:
-            raise FormatError(f"section {x.name}: {x.raw} bytes declared, {expected_raw[x.name]} expected")
-        chunks.append(blob[off : off + x.coded])
-        off += x.coded
-    t0 = time.perf_counter()
-    crcs = list(coder.pool.map(zlib.crc32, chunks))  # zlib releases the GIL on large buffers
-    t_crc = time.perf_counter() - t0
-    for x, crc in zip(header.sections, crcs):
-        if crc != x.crc32:
-            raise FormatError(f"section {x.name}: checksum mismatch; the blob is corrupt")
-    out: dict[str, bytes | torch.Tensor] = {}
-    gpu = [i for i, x in enumerate(header.sections) if x.backend == NAME]
-    for i, x in enumerate(header.sections):
-        if x.backend != NAME:
-            out[x.name] = decode_stream(bytes(chunks[i]), x.backend, x.raw)
-    if gpu:
-        dec = coder.decompress([chunks[i] for i in gpu], [header.sections[i].raw for i in gpu])
-        for i, t in zip(gpu, dec):
-            out[header.sections[i].name] = t
-    coder.last = {**coder.last, "crc_s": t_crc}
-    return {x.name: out[x.name] for x in header.sections}
-
-
 @functools.lru_cache(maxsize=None)
 def _nvcomp() -> Any:
     try:
@@ -270,4 +235,4 @@ def device_coder(backend: str, device: torch.device | str) -> DeviceCoder | None
     return _CODERS[key]
 
 
-__all__ = ["NAME", "CHUNK", "cpu_compress", "cpu_decompress", "device_coder", "read_sections", "DeviceCoder"]
+__all__ = ["NAME", "CHUNK", "cpu_compress", "cpu_decompress", "device_coder", "DeviceCoder"]

@@ -24,13 +24,13 @@ def _rope_heads_kernel(
     kind_ptr, out_ptr, B, H, T,
     D: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr, BT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tb = tl.program_id(1)
+    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: a cache can hold more than 2^31 elements
+    tb = tl.program_id(1).to(tl.int64)
     h = pid % H
     b = (pid // H) % B
     layer = pid // (H * B)
     kind = tl.load(kind_ptr + layer)
-    t = tb * BT + tl.arange(0, BT)
+    t = tb * BT + tl.arange(0, BT).to(tl.int64)
     d = tl.arange(0, D)
     tmask = t < T
     m2 = tmask[:, None] & (d[None, :] < D)
