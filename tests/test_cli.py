@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from fixtures_smollm2 import heldout, small_calibration, small_calibration_path  # noqa: F401
+from fixtures_smollm2 import SMALL_CALIBRATION_TOKENS, heldout, small_calibration, small_calibration_path  # noqa: F401
 
 from kvtc import cli
 
@@ -58,8 +58,11 @@ def test_calibrate_refuses_to_replace_a_file_without_force(capsys, tmp_path):
 
 
 def test_calibrate_default_reuses_the_cached_calibration(capsys, small_calibration_path):
-    code, out, _ = run_cli(capsys, "calibrate", "--tokens", small_calibration_path.name.rsplit("-", 1)[1].split(".")[0])
-    assert code == 0 and str(small_calibration_path) in out and "ratios 8, 16, 32, 64" in out
+    from kvtc.calibration.fit import DEFAULT_RATIOS
+
+    code, out, _ = run_cli(capsys, "calibrate", "--tokens", SMALL_CALIBRATION_TOKENS)
+    ratios = ", ".join(f"{r:g}" for r in DEFAULT_RATIOS)
+    assert code == 0 and str(small_calibration_path) in out and f"ratios {ratios}" in out
 
 
 def test_compress_inspect_generate_resume(capsys, tmp_path, smollm2, heldout, small_calibration_path):
