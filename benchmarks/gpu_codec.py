@@ -42,7 +42,7 @@ from kvtc.codec.codec import _device_coder  # noqa: E402
 def gpu_backend() -> str:
     """The fastest entropy backend with a GPU coder here: huff4k (ours), else nvCOMP's chunked DEFLATE."""
     for name in ("huff4k", gpu_entropy.NAME):
-        if _device_coder(name, torch.device("cuda"))[0] is not None:
+        if _device_coder(name, torch.device("cuda")) is not None:
             return name
     return gpu_entropy.NAME
 
@@ -213,7 +213,7 @@ def bench_codec(model, name: str, cal, ratio: float, batch: int, seq: int, ceil:
         t_dec, out = timed(lambda: codec.decode(pblob, device="cuda"), reps=3)
         t_dec_bytes, _ = timed(lambda: codec.decode(blob, device="cuda"), reps=2)
         st_e, st_d = {}, {}
-        coder = _device_coder(backend, torch.device("cuda"))[0]
+        coder = _device_coder(backend, torch.device("cuda"))
         codec.encode(kv, timings=st_e)
         st_e.update({f"coder.{k}": v for k, v in getattr(coder, "last", {}).items()})
         codec.decode(pblob, timings=st_d, device="cuda")

@@ -328,21 +328,16 @@ def allocate_for_error(
     ``max_bits`` bounds the search (default: ``16 * k``, i.e. no smaller than storing 16-bit values).
     Raises :class:`CalibrationError` when no plan within ``max_bits`` reaches the error.
     """
-    _check(coeffs, sizes)
-    k = coeffs.shape[1]
-    max_bits = float(16 * k if max_bits is None else max_bits)
-    drop, errs = candidate_errors(coeffs, sizes, types)
-    last, choice, cands, unit = _solve(drop, errs, max_bits, max_columns)
-    ok = np.flatnonzero(last <= max_error)
+    max_bits = float(16 * coeffs.shape[-1] if max_bits is None else max_bits)
+    curve = error_curve(coeffs, max_bits, sizes, types, max_columns)
+    ok = np.flatnonzero(curve.best <= max_error)
     if ok.size == 0:
         raise CalibrationError(
             f"no plan within {max_bits:.0f} bits per token reaches error {max_error:g} "
-            f"(best {float(last.min()):g}); allow more bits or a larger error"
+            f"(best {float(curve.best[-1]):g}); allow more bits or a larger error"
         )
-    b = int(ok[0])
-    groups = _backtrack(choice, cands, b)
-    return Plan(_run_length(groups), float(last[b]), int(coeffs.shape[0]), exact=unit == 2,
-                meta={"max_error": max_error, "unit_bits": unit})
+    # the first budget whose least error is small enough: its plan uses exactly that many units
+    return curve.plan(float(ok[0]) * curve.unit, max_error=max_error)
 
 
 def budget_for_ratio(num_features: int, ratio: float, value_bits: int = 16) -> float:

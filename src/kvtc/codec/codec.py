@@ -27,6 +27,7 @@ from ..calibration.dp import Plan
 from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVLayout, KVSlice
 from . import container
+from . import huffman
 from . import nvcomp as gpu_entropy
 from .entropy import DEFAULT_BACKEND, Precoded, get_backend
 from .. import kernels
@@ -264,7 +265,7 @@ class Codec:
         if not dev:
             return payloads
         out = list(payloads)
-        coder = _device_coder(self.backend, self.device)[0]
+        coder = _device_coder(self.backend, self.device)
         if coder is not None:
             with clock("gpu_entropy"):
                 code = getattr(coder, "compress_parts", coder.compress)
@@ -338,7 +339,7 @@ class Codec:
         expected = self._expected_sections(header)
         if on_device and self._fused:
             for name in dict.fromkeys(x.backend for x in header.sections):
-                coder = _device_coder(name, self.device)[0]
+                coder = _device_coder(name, self.device)
                 if coder is not None:
                     return header, container.read_sections(blob, header, body, expected, coder, name, pinned,
                                                            deferred)
@@ -542,23 +543,12 @@ def _no_tf32() -> Iterator[None]:
 _FP8_MAX = 448.0
 
 
-def _gpu_entropy_modules() -> list[Any]:
-    """Modules of the entropy backends that have a GPU coder (each: NAME, device_coder)."""
-    mods = [gpu_entropy]
-    try:
-        from . import huffman
-    except ImportError:  # pragma: no cover - part of the package; kept optional while it is young
-        return mods
-    return [huffman, *mods]
-
-
-def _device_coder(backend: str, device: torch.device) -> tuple[Any, Any]:
-    """(GPU coder, its module) of ``backend`` on ``device``, or (None, None)."""
-    for mod in _gpu_entropy_modules():
+def _device_coder(backend: str, device: torch.device) -> Any:
+    """The GPU coder of entropy backend ``backend`` on ``device``, or None (CPU-only backend, no CUDA...)."""
+    for mod in (huffman, gpu_entropy):
         if mod.NAME == backend:
-            coder = mod.device_coder(backend, device)
-            return (coder, mod) if coder is not None else (None, None)
-    return None, None
+            return mod.device_coder(backend, device)
+    return None
 
 
 def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
