@@ -104,12 +104,22 @@ def corrupt_one_entry(store_url: str) -> str:
 
 
 def run(args) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     t0 = time.perf_counter()
     llm = make_llm(args)
     startup = time.perf_counter() - t0
+    try:
+        return _serve(llm, args, startup)
+    finally:
+        # Stop the engine while the interpreter is whole. Left to vLLM's exit-time finalizer, the client's
+        # ZeroMQ teardown races interpreter shutdown and now and then aborts the process
+        # ("terminate called without an active exception") after all the work is done.
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _serve(llm, args, startup: float) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     tok = llm.get_tokenizer()
     prompts = build_prompts(tok, args.prompts, args.groups, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS)
     out: dict = {"mode": args.mode, "startup_s": startup}
