@@ -48,6 +48,29 @@ def test_identity_round_trip_tiny_llama_any_batch(batch):
     assert Codec.inspect(blob)["batch"] == batch
 
 
+def test_rebuilt_cache_owns_its_tensors_and_keeps_growing():
+    """rebuild_cache stores each layer's tensors without a copy through update(); the cache must still own them
+    (an in-place write into it leaves the slice alone, also for one token of one sequence, where a permute
+    could return the slice's own memory) and grow like a cache the model filled itself."""
+    model = build("llama")
+    for batch, tokens in ((1, 1), (2, 9)):
+        ids = torch.randint(3, 128, (batch, tokens + 1))
+        with torch.no_grad():
+            cache = model(ids[:, :-1], use_cache=True).past_key_values
+        kv = extract_slice(cache, model)
+        keys0, values0 = kv.keys.clone(), kv.values.clone()
+        rebuilt = rebuild_cache(kv, model)
+        for layer in rebuilt.layers:
+            assert layer.keys.is_contiguous() and layer.values.is_contiguous()
+            layer.keys.add_(1.0)
+            layer.values.add_(1.0)
+        assert torch.equal(kv.keys, keys0) and torch.equal(kv.values, values0)
+        fresh = rebuild_cache(kv, model)
+        step = ids[:, -1:]
+        assert torch.allclose(next_logits(model, fresh, step), next_logits(model, cache, step), atol=1e-5)
+        assert fresh.get_seq_length() == tokens + 1  # the step's token was appended after the rebuilt ones
+
+
 def test_sliding_window_model_round_trip():
     """Gemma-3 style: sliding layers (window 32) and full layers; a config-less cache keeps all 48 tokens, and
     the restored cache trims the sliding layers to their window as the model itself would."""

@@ -191,19 +191,41 @@ class Codec:
         with _no_tf32():
             return (x.float() - mean) @ basis.T
 
+    def _reconstruct_dtype(self) -> torch.dtype:
+        """The dtype :meth:`_reconstruct` produces."""
+        return torch.bfloat16 if self._fp8 or (self._fused and self.precision == "bf16") else torch.float32
+
     def _reconstruct(self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor,
-                     fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``coeffs @ basis + µ`` in the codec's precision."""
+                     fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """``coeffs @ basis + µ`` in the codec's precision. ``out``: ``[rows, features]`` tensors of
+        :meth:`_reconstruct_dtype` that take consecutive blocks of the rows (then None is returned)."""
         if fp8 is not None:
             k16 = fp8[0].shape[0]
             c = coeffs if coeffs.shape[1] == k16 else torch.nn.functional.pad(coeffs, (0, k16 - coeffs.shape[1]))
             a, sa = _fp8_rows(c)
-            out = torch._scaled_mm(a, fp8[0], scale_a=sa, scale_b=fp8[1], out_dtype=torch.bfloat16)
-            return out.add_(mean.to(torch.bfloat16))
+            mean16 = mean.to(torch.bfloat16)
+            if out is None:
+                res = torch._scaled_mm(a, fp8[0], scale_a=sa, scale_b=fp8[1], out_dtype=torch.bfloat16)
+                return res.add_(mean16)
+            r0 = 0
+            for o in out:
+                r1 = r0 + o.shape[0]
+                res = torch._scaled_mm(a[r0:r1], fp8[0], scale_a=sa[r0:r1], scale_b=fp8[1], out_dtype=torch.bfloat16)
+                torch.add(res, mean16, out=o)
+                r0 = r1
+            return None
         if self._fused and self.precision == "bf16":
-            return torch.addmm(mean.to(torch.bfloat16), coeffs.to(torch.bfloat16), basis)
+            mean, coeffs = mean.to(torch.bfloat16), coeffs.to(torch.bfloat16)
+        if out is None:
+            with _no_tf32():
+                return torch.addmm(mean, coeffs, basis)
+        r0 = 0
         with _no_tf32():
-            return torch.addmm(mean, coeffs, basis)
+            for o in out:
+                torch.addmm(mean, coeffs[r0 : r0 + o.shape[0]], basis, out=o)
+                r0 += o.shape[0]
+        return None
 
     def _split(self, t: torch.Tensor, s: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T, ...]`` -> (protected ``[B, s+w, ...]``, middle ``[B, T-s-w, ...]``)."""
@@ -386,9 +408,19 @@ class Codec:
             full[:, :s] = prot[:, :s]
             full[:, T - w :] = prot[:, s:]
             if header.middle_tokens:
-                rows = self._decode_rows(kind, header, secs, clock)
-                with clock("to_tokens"):
-                    full[:, s : T - w] = rows.to(dt).to(out_dev).reshape(B, header.middle_tokens, *shape[2:])
+                m = header.middle_tokens
+                # the projection writes each sequence's middle tokens straight into the output where it can
+                # (one PCA group, output on the codec's device in the projection's dtype): no extra pass
+                direct = (self._fused and out_dev == self.device and len(self.calibration.columns) == 1  # type: ignore[union-attr]
+                          and dt == self._reconstruct_dtype() and (s + w == 0 or m >= DIRECT_MIN_TOKENS))
+                views = None
+                if direct:  # one view when nothing is protected, else one per sequence
+                    views = ([full.view(B * m, -1)] if s + w == 0 else
+                             [full[b, s : T - w].view(m, -1) for b in range(B)])
+                rows = self._decode_rows(kind, header, secs, clock, views)
+                if rows is not None:
+                    with clock("to_tokens"):
+                        full[:, s : T - w] = rows.to(dt).to(out_dev).reshape(B, m, *shape[2:])
             out[kind] = full
         with clock("verify"):
             for check in checks:
@@ -430,7 +462,10 @@ class Codec:
                 coeffs[:, b.columns.to(self.device)] = vals
         return coeffs, pl
 
-    def _decode_rows(self, kind: str, header: container.Header, secs: dict[str, bytes], clock: _Clock) -> torch.Tensor:
+    def _decode_rows(self, kind: str, header: container.Header, secs: dict[str, bytes], clock: _Clock,
+                     out: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The middle tokens' feature rows ``[batch·middle, features]``; with ``out`` (one PCA group: each
+        sequence's ``[middle, features]`` view of the output) they are written there and None is returned."""
         n = header.batch * header.middle_tokens
         cols_all = self.calibration.columns  # type: ignore[union-attr]
         rows = None
@@ -441,11 +476,11 @@ class Codec:
             with clock("project"):
                 mean, basis = self._basis(kind, g, pl.components)
                 fp8 = self._fp8_basis(kind, g, pl.components, True) if self._fp8 else None
-                x = self._reconstruct(coeffs, mean, basis, fp8)
+                x = self._reconstruct(coeffs, mean, basis, fp8, out)
             if rows is None:
                 return x
             rows[:, cols_all[g].to(self.device)] = x
-        return rows  # type: ignore[return-value]
+        return rows
 
     def decode_layers(self, blob: bytes, device: torch.device | str | None = None
                       ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -541,6 +576,9 @@ def _no_tf32() -> Iterator[None]:
 
 
 _FP8_MAX = 448.0
+#: a GPU decode writes a sequence's middle tokens straight into the output when it has at least this many
+#: (one matmul per sequence; shorter ones take a single matmul and one copy)
+DIRECT_MIN_TOKENS = 512
 
 
 def _device_coder(backend: str, device: torch.device) -> Any:

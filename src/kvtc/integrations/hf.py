@@ -159,16 +159,29 @@ def rebuild_cache(
     # [layers, batch, heads, tokens, head_dim]: each layer's [B, H, T, D] contiguous (one fused pass on CUDA)
     keys = spec.apply_to_heads(kv.keys.to(device), kv.positions, got.layers, dtype)
     values = kv.values.to(device=device, dtype=dtype).permute(2, 0, 3, 1, 4).contiguous()
+    # the cache must own its tensors: a later in-place write into it must not reach the caller's slice
+    keys = keys.clone() if _shares_storage(keys, kv.keys) else keys
+    values = values.clone() if _shares_storage(values, kv.values) else values
 
     cache = DynamicCache(config=config)
     if linear_states is not None:
         _copy_linear_states(linear_states, cache)
     for i, li in enumerate(got.layers):
-        cache.update(keys[i], values[i], li)
+        layer = cache.layers[li] if li < len(cache.layers) else None
+        if type(layer) is DynamicLayer and not layer.is_initialized:
+            # what update() would store, without its concatenation onto an empty tensor (a full extra copy)
+            layer.lazy_initialization(keys[i], values[i])
+            layer.keys, layer.values = keys[i], values[i]
+        else:  # sliding-window, hybrid and other layers keep their own update logic (trimming, states)
+            cache.update(keys[i], values[i], li)
     return cache
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _config_and_model(obj: Any) -> tuple[Any, PreTrainedModel | None]:
