@@ -166,3 +166,49 @@ def test_empty_batch_and_short_sequences_round_trip(setup):
     short = make_slice(layout, ks.rows(10), vs.rows(10))  # fewer tokens than sinks + window: all raw
     out = codec.decode(codec.encode(short))
     assert torch.equal(out.keys, short.keys) and Codec.inspect(codec.encode(short))["middle_tokens"] == 0
+
+
+def test_encode_into_a_caller_buffer(setup):
+    """encode(out=...) writes the same bytes into the caller's memory and returns a view decode accepts; a buffer
+    too small, read-only or of the wrong kind is refused before anything is written."""
+    from kvtc.errors import OutputBufferError
+
+    layout, ks, vs, cal = setup
+    kv = make_slice(layout, ks.rows(2 * 300), vs.rows(2 * 300), batch=2)
+    codec = Codec(cal, ratio=16)
+    want = codec.encode(kv)
+    ref = codec.decode(want)
+    buf = bytearray(b"\x5a" * (len(want) + 100))
+    got = codec.encode(kv, out=buf)
+    assert isinstance(got, memoryview) and len(got) == len(want) and bytes(got) == want
+    assert bytes(buf[len(want):]) == b"\x5a" * 100
+    t = torch.zeros(len(want) + 7, dtype=torch.uint8)
+    tv = codec.encode(kv, out=t)
+    assert isinstance(tv, torch.Tensor) and tv.numel() == len(want) and tv.numpy().tobytes() == want
+    for blob in (got, tv):
+        out = codec.decode(blob)
+        assert torch.equal(out.keys, ref.keys) and torch.equal(out.values, ref.values)
+        assert Codec.inspect(blob)["bytes"] == len(want)
+    small = bytearray(b"\xab" * (len(want) - 1))
+    with pytest.raises(OutputBufferError) as e:
+        codec.encode(kv, out=small)
+    assert e.value.needed == len(want) and small == bytearray(b"\xab" * (len(want) - 1))
+    with pytest.raises(OutputBufferError, match="read-only"):
+        codec.encode(kv, out=bytes(len(want)))
+    with pytest.raises(OutputBufferError, match="uint8"):
+        codec.encode(kv, out=torch.zeros(len(want), dtype=torch.float32))
+
+
+def test_write_into_copies_large_parts_in_pieces():
+    """Parts larger than a copy piece (several MiB, copied on host threads) land byte for byte, back to back."""
+    import numpy as np
+
+    from kvtc.codec import container
+
+    g = np.random.default_rng(0)
+    parts = [g.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3, container.PIECE + 5, 1, 2 * container.PIECE)]
+    parts[1] = memoryview(parts[1])
+    out = np.zeros(sum(len(p) for p in parts) + 3, dtype=np.uint8)
+    view = container.write_into(out, parts)
+    assert bytes(view) == b"".join(bytes(p) for p in parts)
+    assert not out[-3:].any()

@@ -27,5 +27,14 @@ class UnsupportedModel(KVTCError, ValueError):
     """The model's attention / RoPE variant is not supported by this version of kvtc."""
 
 
+class OutputBufferError(KVTCError, ValueError):
+    """A caller-provided output buffer cannot take a blob (too small, read-only, wrong kind); nothing was written.
+    ``needed``: the bytes the blob needs (0 when the buffer is unusable whatever its size)."""
+
+    def __init__(self, message: str, needed: int = 0):
+        super().__init__(message)
+        self.needed = needed
+
+
 class StoreError(KVTCError, OSError):
     """A cache store failed in a way the caller must handle (not a plain miss)."""

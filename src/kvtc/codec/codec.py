@@ -234,8 +234,15 @@ class Codec:
         return prot, t[:, s : T - w]
 
     # ------------------------------------------------------------------ encode
-    def encode(self, kv: KVSlice, timings: dict[str, float] | None = None) -> bytes:
-        """Compress a slice (keys pre-RoPE) to a self-describing blob."""
+    def encode(self, kv: KVSlice, timings: dict[str, float] | None = None, out: Any = None) -> Any:
+        """Compress a slice (keys pre-RoPE) to a self-describing blob (``bytes``).
+
+        ``out``: a buffer the blob is written into instead (a 1-D uint8 CPU tensor such as a pinned host buffer
+        an offload tier reuses, or a bytearray / writable memoryview / numpy array); the blob is returned as a view
+        of its first bytes (a tensor slice for a tensor, else a memoryview), which :meth:`decode` accepts as is.
+        Writing into memory already touched skips the page faults a fresh ``bytes`` of that size costs. A buffer
+        too small raises :class:`~kvtc.errors.OutputBufferError` (its ``needed`` says how large) and is left
+        untouched."""
         kv.validate()
         lay = kv.layout
         if kv.keys.dtype != lay.torch_dtype:
@@ -275,7 +282,7 @@ class Codec:
                 payloads.extend(self._encode_rows(kind, rows, clock))
         with clock("entropy"):
             payloads = self._host_payloads(payloads, clock)
-            return container.write(header, payloads, self.backend, timings)
+            return container.write(header, payloads, self.backend, timings, out)
 
     def _on_fused_device(self, t: torch.Tensor) -> bool:
         return self._fused and t.device.type == "cuda"
@@ -525,8 +532,12 @@ class Codec:
 
     # ------------------------------------------------------------------ inspect
     @staticmethod
-    def inspect(blob: bytes) -> dict[str, Any]:
+    def inspect(blob: bytes | memoryview | torch.Tensor) -> dict[str, Any]:
         """Header facts and sizes of a blob, without decoding it (needs no calibration)."""
+        if isinstance(blob, torch.Tensor):
+            if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
+                raise FormatError("a tensor blob must be a 1-D uint8 CPU tensor (e.g. pinned host memory)")
+            blob = memoryview(blob.contiguous().numpy())
         header, body = container.read_header(blob)
         lay = header.layout
         esize = torch.empty((), dtype=DTYPES[lay.dtype]).element_size()

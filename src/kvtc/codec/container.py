@@ -25,9 +25,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError, LayoutError
+import numpy as np
+
+from ..errors import FormatError, LayoutError, OutputBufferError
 from ..layout import KVLayout
-from .crc import crc32_combine, crc32_many, crc32_submit
+from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
 from .entropy import Parts, decode_stream, encode_stream
 from .packing import PACKINGS
 
@@ -98,9 +100,11 @@ class Header:
 
 
 def write(header: Header, payloads: list[tuple[str, Any]], backend: str,
-          timings: dict[str, float] | None = None) -> bytes:
+          timings: dict[str, float] | None = None, out: Any = None) -> Any:
     """Entropy-code each named payload with ``backend`` (raw fallback) and assemble the container.
-    ``timings``: receives seconds of its steps (``container.code``, ``container.crc``, ``container.join``)."""
+    ``timings``: receives seconds of its steps (``container.code``, ``container.crc``, ``container.join``).
+    ``out``: a writable buffer (see :func:`write_into`) that receives the container instead of a new ``bytes``;
+    the blob is then returned as a view of its first bytes."""
     t0 = time.perf_counter()
     coded_all = [encode_stream(data, backend) for _, data in payloads]
     t1 = time.perf_counter()
@@ -122,11 +126,54 @@ def write(header: Header, payloads: list[tuple[str, Any]], backend: str,
     hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
     if len(hdr) > MAX_HEADER_BYTES:
         raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
-    out = b"".join([PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies])
+    parts = [PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies]
+    blob = b"".join(parts) if out is None else write_into(out, parts)
     if timings is not None:
         timings.update({"container.code": t1 - t0, "container.crc": t2 - t1,
                         "container.join": time.perf_counter() - t2})
-    return out
+    return blob
+
+
+def write_into(out: Any, parts: list[Any]) -> Any:
+    """Copy ``parts`` back to back into ``out`` (a 1-D uint8 CPU tensor, e.g. pinned host memory, or any writable
+    bytes-like object: bytearray, memoryview, numpy array, mmap) and return the used prefix as a view of ``out``
+    (a tensor slice for a tensor, else a memoryview). Large copies run on host threads. A buffer that is too
+    small or not writable raises :class:`~kvtc.errors.OutputBufferError` before anything is written."""
+    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
+    total = sum(len(v) for v in views)
+    tensor = _is_tensor(out)
+    if tensor:
+        if out.device.type != "cpu" or out.dtype.itemsize != 1 or out.dim() != 1 or not out.is_contiguous():
+            raise OutputBufferError("an output tensor must be a contiguous 1-D uint8 CPU tensor (e.g. pinned host "
+                                    "memory)")
+        dst = out.numpy().view(np.uint8)
+    else:
+        try:
+            dst = np.frombuffer(out, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError):
+            raise OutputBufferError(f"cannot write a blob into a {type(out).__name__}; pass a bytearray, a "
+                                    "writable memoryview or numpy array, or a uint8 CPU tensor") from None
+        if not dst.flags.writeable:
+            raise OutputBufferError(f"the output buffer ({type(out).__name__}) is read-only")
+    if total > dst.size:
+        raise OutputBufferError(f"the blob needs {total} bytes and the output buffer holds {dst.size}; "
+                                "pass a larger buffer", needed=total)
+    jobs, off = [], 0
+    for v in views:
+        src = np.frombuffer(v, dtype=np.uint8)
+        for a in range(0, len(src), PIECE):
+            jobs.append((dst[off + a : off + min(a + PIECE, len(src))], src[a : a + PIECE]))
+        off += len(src)
+    if len(jobs) > 1:
+        list(default_pool().map(lambda j: np.copyto(j[0], j[1]), jobs))  # numpy copies drop the GIL
+    elif jobs:
+        np.copyto(jobs[0][0], jobs[0][1])
+    return out[:total] if tensor else memoryview(out).cast("B")[:total]
+
+
+def _is_tensor(x: Any) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "numpy") and hasattr(x, "is_contiguous")
 
 
 def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
