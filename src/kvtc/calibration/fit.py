@@ -86,7 +86,6 @@ def fit_calibration(
     progress: Callable[[str], None] | None = None,
     kv_split: str = "joint",
     value_weight: float = DEFAULT_VALUE_WEIGHT,
-    dp_holdout: int = 0,
 ) -> Calibration:
     """PCA + DP for keys and values and every PCA group. The basis is cut to the components some plan keeps.
 
@@ -97,10 +96,6 @@ def fit_calibration(
     ``kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR`` bits
     per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
     calibration rows) is least; ``"equal"`` gives each ``16p/CR`` (the paper's rule applied per kind).
-
-    ``dp_holdout``: when ``n > 0``, every ``n``-th chunk is kept out of the PCA and the DP's rows are sampled from
-    those chunks only, so the bit plans see the energy a basis leaves on rows it was not fitted to (in-sample
-    rows understate it). Too few held-out rows (fewer than ``dp_rows // 4``) fall back to in-sample rows.
     """
     say = progress or (lambda _msg: None)
     cols = grouping.columns(layout)
@@ -114,23 +109,16 @@ def fit_calibration(
         raise CalibrationError(f"value_weight must be positive, got {value_weight}")
     if not use_exact and not callable(rows):
         raise CalibrationError("randomized PCA passes over the rows several times: pass a function returning them")
-    if dp_holdout < 0:
-        raise CalibrationError(f"dp_holdout must be 0 (off) or a chunk period >= 2, got {dp_holdout}")
-    held = lambda ci: dp_holdout > 1 and ci % dp_holdout == dp_holdout - 1  # noqa: E731
     reservoirs = {kind: _Reservoir(dp_rows, seed + i) for i, kind in enumerate(KINDS)}
-    held_out = {kind: _Reservoir(dp_rows, seed + 10 + i) for i, kind in enumerate(KINDS)}
     results: dict[str, list[PCAResult]] = {}
     stats: dict[str, Any] = {"dp_rows": dp_rows, "seconds": {}, "predicted_relative_error": {}}
     t0 = time.perf_counter()
     if use_exact:
         accs = {kind: [CovarianceAccumulator(c.numel(), device) for c in cols] for kind in KINDS}
         n = 0
-        for ci, pair in enumerate(_iterate(rows)):
+        for pair in _iterate(rows):
             for kind, x in zip(KINDS, _check_pair(pair, p)):
                 x = x.to(device, torch.float32)
-                if held(ci):
-                    held_out[kind].update(x)
-                    continue
                 for acc, c in zip(accs[kind], cols):
                     acc.update(x if len(cols) == 1 else x[:, c.to(x.device)])
                 reservoirs[kind].update(x)
@@ -139,15 +127,14 @@ def fit_calibration(
         say("eigendecomposition")
         results = {kind: [acc.finalize(rank_cap) for acc in accs[kind]] for kind in KINDS}
     else:
-        for ci, pair in enumerate(_iterate(rows)):
+        for pair in _iterate(rows):
             for kind, x in zip(KINDS, _check_pair(pair, p)):
-                (held_out if held(ci) else reservoirs)[kind].update(x)
+                reservoirs[kind].update(x)
         for i, kind in enumerate(KINDS):
             results[kind] = []
             for g, c in enumerate(cols):
                 say(f"{kind}: randomized PCA of group {g} (p={c.numel()})")
-                sub = (lambda c=c, i=i: (pr[i].to(device, torch.float32)[:, c.to(device)]
-                                         for ci, pr in enumerate(_iterate(rows)) if not held(ci)))
+                sub = (lambda c=c, i=i: (pr[i].to(device, torch.float32)[:, c.to(device)] for pr in _iterate(rows)))
                 results[kind].append(randomized_pca(sub, c.numel(), rank_cap, power_iters, oversample, device, seed))
     stats["seconds"]["pca"] = round(time.perf_counter() - t0, 3)
     pcas: dict[str, list[PCAResult]] = {}
@@ -159,10 +146,6 @@ def fit_calibration(
         res = reservoirs[kind]
         if res.rows is None or res.rows.shape[0] < 2:
             raise CalibrationError("no calibration rows were given")
-    enough = all(held_out[k].rows is not None and held_out[k].rows.shape[0] >= max(2, dp_rows // 4) for k in KINDS)
-    if enough:
-        reservoirs = held_out
-    stats["dp_rows_source"] = "held-out" if enough else "in-sample"
     keep = {kind: [0] * len(cols) for kind in KINDS}
     share = 2.0 if kv_split == "joint" else 1.0
     for g, c in enumerate(cols):
