@@ -102,6 +102,24 @@ def event_time(fn, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
+def sweep(name: str, grid: list[dict], cfg: dict, run, total: int, extra=lambda: {}) -> list[dict]:
+    """Time ``run`` under each kernel launch setting of ``grid`` (written into ``cfg``), then leave the fastest in
+    ``cfg``. A setting that does not compile is recorded and skipped."""
+    results = []
+    for c in grid:
+        try:
+            cfg.update(c)
+            t = median_time(run, reps=3)
+            results.append({**c, "gbps": total / t / 1e9, **extra()})
+            log(name, c, f"{total / t / 1e9:.1f} GB/s", extra())
+        except Exception as e:  # noqa: BLE001 - record and go on
+            results.append({**c, "error": repr(e)[:300]})
+            log(name, c, "failed", repr(e)[:300])
+    best = max((r for r in results if "gbps" in r), key=lambda r: r["gbps"])
+    cfg.update({k: best[k] for k in KEYS})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=640)
@@ -161,20 +179,8 @@ def main() -> None:
 
     # sweep the encode kernel's launch settings
     enc = coder.encode_device(streams)
-    sweep = []
-    for cfg in ENCODE_SWEEP:
-        try:
-            K.ENCODE_CFG.update(cfg)
-            t = median_time(lambda: coder.encode_device(streams), reps=3)
-            sweep.append({**cfg, "gbps": total / t / 1e9, "breakdown": dict(coder.last)})
-            log("encode", cfg, f"{total / t / 1e9:.1f} GB/s", {k: round(v * 1e3, 2) for k, v in coder.last.items()})
-        except Exception as e:  # noqa: BLE001 - a setting that does not compile: record and go on
-            sweep.append({**cfg, "error": repr(e)[:300]})
-            log("encode", cfg, "failed", repr(e)[:300])
-    ok = [s for s in sweep if "gbps" in s]
-    best_enc = max(ok, key=lambda s: s["gbps"])
-    K.ENCODE_CFG.update({k: best_enc[k] for k in KEYS})
-    res["encode_sweep"] = sweep
+    res["encode_sweep"] = sweep("encode", ENCODE_SWEEP, K.ENCODE_CFG, lambda: coder.encode_device(streams), total,
+                                lambda: {"breakdown": dict(coder.last)})
     res["encode_cfg"] = dict(K.ENCODE_CFG)
 
     # final encode numbers with the best setting
@@ -226,20 +232,7 @@ def main() -> None:
 
     # decode: sweep, then the best setting
     st = coder.stage(blobs, sizes)
-    sweep = []
-    for cfg in DECODE_SWEEP:
-        try:
-            K.DECODE_CFG.update(cfg)
-            t = median_time(lambda: coder.decode_device(st), reps=3)
-            sweep.append({**cfg, "gbps": total / t / 1e9})
-            log("decode", cfg, f"{total / t / 1e9:.1f} GB/s")
-        except Exception as e:  # noqa: BLE001
-            sweep.append({**cfg, "error": repr(e)[:300]})
-            log("decode", cfg, "failed", repr(e)[:300])
-    ok = [s for s in sweep if "gbps" in s]
-    best_dec = max(ok, key=lambda s: s["gbps"])
-    K.DECODE_CFG.update({k: best_dec[k] for k in KEYS})
-    res["decode_sweep"] = sweep
+    res["decode_sweep"] = sweep("decode", DECODE_SWEEP, K.DECODE_CFG, lambda: coder.decode_device(st), total)
     res["decode_cfg"] = dict(K.DECODE_CFG)
     t_dec = median_time(lambda: coder.decode_device(st))
     res["decode_gbps"] = total / t_dec / 1e9
