@@ -195,8 +195,9 @@ def test_encode_into_a_caller_buffer(setup):
     assert e.value.needed == len(want) and small == bytearray(b"\xab" * (len(want) - 1))
     with pytest.raises(OutputBufferError, match="read-only"):
         codec.encode(kv, out=bytes(len(want)))
-    with pytest.raises(OutputBufferError, match="uint8"):
-        codec.encode(kv, out=torch.zeros(len(want), dtype=torch.float32))
+    for dtype in (torch.float32, torch.int8):
+        with pytest.raises(OutputBufferError, match="uint8"):
+            codec.encode(kv, out=torch.zeros(len(want), dtype=dtype))
 
 
 def test_write_into_copies_large_parts_in_pieces():

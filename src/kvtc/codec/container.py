@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import FormatError, LayoutError, OutputBufferError
 from ..layout import KVLayout
@@ -141,9 +142,9 @@ def write_into(out: Any, parts: list[Any]) -> Any:
     small or not writable raises :class:`~kvtc.errors.OutputBufferError` before anything is written."""
     views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
     total = sum(len(v) for v in views)
-    tensor = _is_tensor(out)
+    tensor = isinstance(out, torch.Tensor)
     if tensor:
-        if out.device.type != "cpu" or out.dtype.itemsize != 1 or out.dim() != 1 or not out.is_contiguous():
+        if out.device.type != "cpu" or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
             raise OutputBufferError("an output tensor must be a contiguous 1-D uint8 CPU tensor (e.g. pinned host "
                                     "memory)")
         dst = out.numpy().view(np.uint8)
@@ -169,11 +170,6 @@ def write_into(out: Any, parts: list[Any]) -> Any:
     elif jobs:
         np.copyto(jobs[0][0], jobs[0][1])
     return out[:total] if tensor else memoryview(out).cast("B")[:total]
-
-
-def _is_tensor(x: Any) -> bool:
-    mod = type(x).__module__
-    return mod.startswith("torch") and hasattr(x, "numpy") and hasattr(x, "is_contiguous")
 
 
 def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
