@@ -81,6 +81,13 @@ def update_section(name: str, markdown: str) -> None:
     BENCHMARKS_MD.write_text(text)
 
 
+def publish(name: str, result: dict[str, Any], markdown: str) -> None:
+    """Write ``results/{name}.json``, replace the ``name`` section of BENCHMARKS.md and print the section."""
+    write_json(name, result)
+    update_section(name, markdown)
+    print(markdown)
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

@@ -130,9 +130,7 @@ def main(argv: list[str]) -> int:
     result = {"command": _report.command(), "machine": _report.machine(), "calibration": path.name,
               "calibrations": {k: {"fingerprint": c.fingerprint, "corpus": c.corpus} for k, c in cals.items()},
               "windows": args.windows, "texts": TEXTS, "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
-    _report.write_json("error_sources", result)
-    _report.update_section("error_sources", markdown(result))
-    print(markdown(result))
+    _report.publish("error_sources", result, markdown(result))
     return 0
 
 

@@ -81,14 +81,19 @@ def test_fused_kernels_match_reference_bit_for_bit(qtype, size, packing, n):
         assert torch.equal(out[:, c : c + size].cpu(), deq[:, i])
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=["plain", "weighted"])
+def setup(request):
     layout = KVLayout(layers=(0, 1, 3), num_kv_heads=2, head_dim=64, dtype="bfloat16")
     p = layout.num_features
     ks = LowRankSource(p, decay=1e-3, noise=1e-3, seed=3)
     vs = LowRankSource(p, decay=1e-2, noise=1e-3, seed=4)
+    scales = None
+    if request.param == "weighted":  # a sensitivity-weighted calibration: distinct encode and decode bases
+        g = torch.Generator().manual_seed(5)
+        scales = {k: torch.logspace(-1, 1, 6)[torch.randperm(6, generator=g)].repeat_interleave(64)
+                  for k in ("keys", "values")}
     cal = fit_calibration(layout, [(ks.rows(2048), vs.rows(2048)) for _ in range(3)], ratios=(4, 16, 64),
-                          dp_rows=1024)
+                          dp_rows=1024, feature_scale=scales)
     kv = make_slice(layout, ks.rows(2 * 700), vs.rows(2 * 700), batch=2)
     return cal, kv
 

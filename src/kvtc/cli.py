@@ -49,7 +49,11 @@ def add_calibrate(sub: Any) -> None:
                    help="joint: keys and values share one bit budget, split where the weighted relative error "
                         "is least (default); equal: the same budget for each")
     p.add_argument("--value-weight", type=float, default=None,
-                   help="weight of the values' relative error in the joint split (default 2)")
+                   help="weight of the values' error in the joint split (default 2 on relative errors; 1 on "
+                        "sensitivity-weighted errors)")
+    p.add_argument("--sensitivity", choices=("fisher", "none"), default="fisher",
+                   help="fisher: weigh each (layer, KV head) by the loss's measured sensitivity before the PCA "
+                        "and DP (default); none: the paper's plain squared error")
     p.add_argument("--window", type=int, help="tokens per calibration window (default 1,024)")
     p.add_argument("--out", type=Path,
                    help="calibration file to write (default model and corpus: the cached default calibration)")
@@ -69,12 +73,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     args.window = args.window or DEFAULT_WINDOW_TOKENS
     is_default = _is_default_model(args.model) and args.corpus == [DEFAULT_CORPUS] and args.out is None
     t0 = time.perf_counter()
-    fit_kw = {"kv_split": args.kv_split}
+    fit_kw = {"kv_split": args.kv_split, "sensitivity": args.sensitivity}
     if args.value_weight is not None:
         fit_kw["value_weight"] = args.value_weight
     if (is_default and sorted(args.ratios) == sorted(DEFAULT_RATIOS) and args.window == DEFAULT_WINDOW_TOKENS
             and args.kv_split == "joint" and args.value_weight is None):
-        path = default_calibration(tokens=args.tokens, progress=True)
+        path = default_calibration(tokens=args.tokens, progress=True, sensitivity=args.sensitivity)
     else:
         if args.out is None:
             raise KVTCError("--out is required unless the model and corpus are the defaults; e.g. --out my.safetensors")
@@ -93,6 +97,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"calibration: {path}")
     print(f"  model {cal.model_id or '?'}, layout {len(cal.layout.layers)} layers x {cal.layout.num_kv_heads} KV heads "
           f"x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {cal.fingerprint}")
+    sens = cal.corpus.get("sensitivity") or {}
+    print(f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}")
     print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")
     return 0
 

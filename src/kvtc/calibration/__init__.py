@@ -2,7 +2,7 @@
 
 from .artifact import Calibration, ratio_key
 from .dp import Plan, allocate, allocate_for_error, budget_for_ratio
-from .fit import DEFAULT_RATIOS, fit_calibration
+from .fit import DEFAULT_RATIOS, fit_calibration, sensitivity_scales
 from .pca import PCAResult, fit_pca
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "fit_calibration",
     "fit_pca",
     "ratio_key",
+    "sensitivity_scales",
 ]

@@ -5,6 +5,8 @@ Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
 * ``{kind}.{g}.mean``        float32 ``[p_g]``
 * ``{kind}.{g}.basis``       float32 ``[k, p_g]`` — rows are components (the one orientation in kvtc)
 * ``{kind}.{g}.eigenvalues`` float32 ``[k]``
+* ``{kind}.{g}.scale``       float32 ``[p_g]``, positive — only in a sensitivity-weighted calibration (format
+  version 2): the group's PCA was fitted on rows ``x ∘ scale`` (see :class:`~kvtc.calibration.pca.PCAResult`)
 
 The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
 RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
@@ -34,7 +36,10 @@ from .dp import Plan
 from .pca import PCAResult
 
 FORMAT_NAME = "kvtc-calibration"
-FORMAT_VERSION = 1
+#: version 1: unweighted; version 2: some PCA group carries a feature scale (a version-1 reader must refuse it:
+#: ignoring the scale would decode garbage). Files without scales are still written as version 1.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 KINDS = ("keys", "values")
 #: bound on the JSON metadata we are willing to parse
 MAX_META_BYTES = 64 << 20
@@ -130,6 +135,8 @@ class Calibration:
                     )
                 if pca.basis.shape[0] > pg or pca.basis.shape[0] == 0:
                     raise CalibrationError(f"{kind} group {g}: basis has {pca.basis.shape[0]} rows for p={pg}")
+                if pca.scale is not None and pca.scale.shape != (pg,):
+                    raise CalibrationError(f"{kind} group {g}: feature scale must be [{pg}]")
                 for name, t in (("mean", pca.mean), ("basis", pca.basis), ("eigenvalues", pca.eigenvalues)):
                     if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
                         raise CalibrationError(f"{kind} group {g}: {name} must be finite float32")
@@ -144,10 +151,33 @@ class Calibration:
                         raise CalibrationError(f"ratio {key} {kind} group {g}: plan needs more components than the basis")
 
     # ------------------------------------------------------------------ serialisation
+    @property
+    def weighted(self) -> bool:
+        """True when the PCA was fitted on sensitivity-weighted rows (feature scales stored)."""
+        return any(p.scale is not None for kind in KINDS for p in self.pcas[kind])
+
+    def feature_scale(self, kind: str) -> torch.Tensor | None:
+        """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
+        if not self.weighted:
+            return None
+        out = torch.ones(self.layout.num_features, dtype=torch.float32)
+        for pca, cols in zip(self.pcas[kind], self._columns):
+            if pca.scale is not None:
+                out[cols] = pca.scale
+        return out
+
     def _meta(self) -> dict[str, Any]:
+        pca_info = {
+            kind: [{"total_variance": p.total_variance, "samples": p.samples} for p in self.pcas[kind]]
+            for kind in KINDS
+        }
+        if self.weighted:
+            for kind in KINDS:
+                for info, p in zip(pca_info[kind], self.pcas[kind]):
+                    info["scaled"] = p.scale is not None
         return {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": FORMAT_VERSION if self.weighted else 1,
             "library_version": self.library_version,
             "layout": self.layout.to_dict(),
             "grouping": self.grouping.to_dict(),
@@ -155,10 +185,7 @@ class Calibration:
             "model_id": self.model_id,
             "corpus": self.corpus,
             "stats": self.stats,
-            "pca": {
-                kind: [{"total_variance": p.total_variance, "samples": p.samples} for p in self.pcas[kind]]
-                for kind in KINDS
-            },
+            "pca": pca_info,
             "plans": {
                 key: {kind: [pl.to_dict() for pl in by_kind[kind]] for kind in KINDS}
                 for key, by_kind in sorted(self.plans.items())
@@ -172,6 +199,8 @@ class Calibration:
                 out[f"{kind}.{g}.mean"] = p.mean.contiguous()
                 out[f"{kind}.{g}.basis"] = p.basis.contiguous()
                 out[f"{kind}.{g}.eigenvalues"] = p.eigenvalues.contiguous()
+                if p.scale is not None:
+                    out[f"{kind}.{g}.scale"] = p.scale.contiguous()
         return out
 
     def _compute_hash(self) -> str:
@@ -255,6 +284,7 @@ class Calibration:
                             tensors[f"{kind}.{g}.eigenvalues"],
                             float(info["total_variance"]),
                             int(info["samples"]),
+                            tensors[f"{kind}.{g}.scale"] if info.get("scaled") else None,
                         )
                     )
             plans = {
@@ -339,23 +369,28 @@ def _parse_meta(raw: str, source: Any) -> dict[str, Any]:
         raise CalibrationError(f"{source}: calibration metadata is not valid JSON; recreate the file") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CalibrationError(f"{source} is not a kvtc calibration")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READ_VERSIONS:
         raise CalibrationError(
             f"{source}: calibration format version {meta.get('version')} is not supported by this kvtc "
-            f"(reads version {FORMAT_VERSION}); upgrade kvtc or recalibrate"
+            f"(reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade kvtc or recalibrate"
         )
+    scaled = any(isinstance(i, dict) and i.get("scaled") for k in KINDS for i in (meta.get("pca") or {}).get(k, []))
+    if scaled and meta.get("version") < 2:
+        raise CalibrationError(f"{source}: feature scales in a version-1 calibration; the file is corrupt")
     return meta
 
 
 def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
     try:
-        return {
+        names = {
             f"{kind}.{g}.{part}"
             for kind in KINDS
             for g in range(len(meta["pca"][kind]))
             for part in ("mean", "basis", "eigenvalues")
         }
-    except (KeyError, TypeError):
+        names |= {f"{kind}.{g}.scale" for kind in KINDS for g, info in enumerate(meta["pca"][kind]) if info.get("scaled")}
+        return names
+    except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None
 
 

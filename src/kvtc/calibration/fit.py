@@ -8,8 +8,9 @@ several times).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -37,6 +38,12 @@ KV_SPLITS = ("joint", "equal")
 #: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
 #: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
 DEFAULT_VALUE_WEIGHT = 2.0
+#: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
+#: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
+DEFAULT_SENSITIVITY_FLOOR = 0.01
+#: how finely sensitivity weights are resolved: "head" (one per (layer, KV head), the mean of its dimensions) or
+#: "feature" (one per feature)
+SENSITIVITY_RESOLUTIONS = ("head", "feature")
 
 Source = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
 
@@ -85,7 +92,8 @@ def fit_calibration(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     kv_split: str = "joint",
-    value_weight: float = DEFAULT_VALUE_WEIGHT,
+    value_weight: float | None = None,
+    feature_scale: Mapping[str, torch.Tensor] | None = None,
 ) -> Calibration:
     """PCA + DP for keys and values and every PCA group. The basis is cut to the components some plan keeps.
 
@@ -96,10 +104,21 @@ def fit_calibration(
     ``kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR`` bits
     per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
     calibration rows) is least; ``"equal"`` gives each ``16p/CR`` (the paper's rule applied per kind).
+    ``value_weight`` defaults to :data:`DEFAULT_VALUE_WEIGHT` unweighted and to 1 with ``feature_scale``.
+
+    ``feature_scale`` (ours): ``{"keys": [p], "values": [p]}`` positive scales (see :func:`sensitivity_scales`);
+    the PCA and the DP then run on ``x ∘ scale``, so the squared error they minimise is weighted by
+    ``scale²``, the loss's sensitivity to each feature. Keys and values then share one unit (the loss), and the
+    joint split minimises ``err_K + value_weight·err_V`` in that unit, not relative errors.
     """
     say = progress or (lambda _msg: None)
-    cols = grouping.columns(layout)
     p = layout.num_features
+    scales = _check_scales(feature_scale, p)
+    if value_weight is None:
+        value_weight = 1.0 if scales else DEFAULT_VALUE_WEIGHT
+    if scales:
+        rows = _scaled_source(rows, scales["keys"], scales["values"])
+    cols = grouping.columns(layout)
     use_exact = method == "exact" or (method == "auto" and max(c.numel() for c in cols) <= EXACT_MAX_FEATURES)
     if method not in ("auto", "exact", "randomized"):
         raise CalibrationError(f"unknown PCA method {method!r}; use 'exact', 'randomized' or 'auto'")
@@ -140,7 +159,7 @@ def fit_calibration(
     pcas: dict[str, list[PCAResult]] = {}
     plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
     stats["kv_split"] = {"mode": kv_split, "value_weight": value_weight if kv_split == "joint" else None,
-                         "value_share": {}}
+                         "errors": "weighted" if scales else "relative", "value_share": {}}
     t0 = time.perf_counter()
     for kind in KINDS:
         res = reservoirs[kind]
@@ -163,7 +182,9 @@ def fit_calibration(
             curves[kind] = error_curve(coeffs, share * max(budgets), sizes, types)
             del x, coeffs
         for r, budget in zip(ratios, budgets):
-            if kv_split == "joint":
+            if kv_split == "joint" and scales:
+                bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget, 1.0, value_weight)
+            elif kv_split == "joint":
                 bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget,
                                       1.0 / energy["keys"], value_weight / energy["values"])
             else:
@@ -179,6 +200,8 @@ def fit_calibration(
         del curves
     for kind in KINDS:
         pcas[kind] = [pca.truncate(max(k, 1)) for pca, k in zip(results[kind], keep[kind])]
+        if scales:
+            pcas[kind] = [dataclasses.replace(pca, scale=scales[kind][c].contiguous()) for pca, c in zip(pcas[kind], cols)]
     stats["seconds"]["dp"] = round(time.perf_counter() - t0, 3)
     stats["samples"] = pcas["keys"][0].samples
     return Calibration(
@@ -191,6 +214,69 @@ def fit_calibration(
         corpus=corpus or {},
         stats=stats,
     )
+
+
+def sensitivity_scales(
+    sensitivity: Mapping[str, torch.Tensor],
+    resolution: str = "head",
+    floor: float = DEFAULT_SENSITIVITY_FLOOR,
+    head_dim: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Feature scales for :func:`fit_calibration` from per-feature sensitivities (mean squared gradients of
+    the loss, ``{"keys": [p], "values": [p]}``, e.g. from
+    :func:`kvtc.integrations.hf_calibrate.measure_sensitivity`).
+
+    Weights are normalised by one constant over keys *and* values (so their relative scale, the loss's, is
+    kept), averaged over each KV head's ``head_dim`` features when ``resolution="head"``, raised to at least
+    ``floor`` times the mean, and returned as ``sqrt(weight)``.
+    """
+    if resolution not in SENSITIVITY_RESOLUTIONS:
+        raise CalibrationError(f"unknown sensitivity resolution {resolution!r}; use one of {SENSITIVITY_RESOLUTIONS}")
+    if not floor > 0:
+        raise CalibrationError(f"sensitivity floor must be positive, got {floor}")
+    w = {}
+    for kind in KINDS:
+        t = sensitivity.get(kind)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            raise CalibrationError(f"sensitivity of {kind} must be a finite non-negative [p] tensor")
+        t = t.double()
+        if resolution == "head":
+            if not head_dim or t.numel() % head_dim:
+                raise CalibrationError(f"per-head sensitivity needs head_dim dividing p={t.numel()}")
+            t = t.reshape(-1, head_dim).mean(1, keepdim=True).expand(-1, head_dim).reshape(-1)
+        w[kind] = t
+    if w["keys"].shape != w["values"].shape:
+        raise CalibrationError("key and value sensitivities differ in length")
+    mean = float(torch.cat([w["keys"], w["values"]]).mean())
+    if not mean > 0:
+        raise CalibrationError("all sensitivities are zero: the loss did not reach the cache (check the model)")
+    return {kind: (w[kind] / mean).clamp(min=floor).sqrt().float() for kind in KINDS}
+
+
+def _check_scales(scales: Mapping[str, torch.Tensor] | None, p: int) -> dict[str, torch.Tensor] | None:
+    if scales is None:
+        return None
+    out = {}
+    for kind in KINDS:
+        s = scales.get(kind) if hasattr(scales, "get") else None
+        if not isinstance(s, torch.Tensor) or s.shape != (p,) or not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+            raise CalibrationError(f"feature_scale[{kind!r}] must be a positive finite [{p}] tensor")
+        out[kind] = s.detach().float().cpu()
+    return out
+
+
+def _scaled_source(rows: Source, sk: torch.Tensor, sv: torch.Tensor) -> Source:
+    def gen(it: Iterable[Any]) -> Iterable[Any]:
+        for pair in it:
+            if isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair):
+                k, v = pair
+                yield (k.float() * sk.to(k.device), v.float() * sv.to(v.device))
+            else:
+                yield pair  # _check_pair names the problem
+
+    if callable(rows):
+        return lambda: gen(rows())
+    return list(gen(rows))
 
 
 def _check_pair(pair: Any, p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,4 +296,5 @@ def _check_rows(rows: torch.Tensor, p: int) -> None:
         raise CalibrationError(f"calibration rows must be [n, {p}] tensors, got {shape}")
 
 
-__all__ = ["DEFAULT_RATIOS", "DEFAULT_VALUE_WEIGHT", "KINDS", "KV_SPLITS", "fit_calibration"]
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_SENSITIVITY_FLOOR", "DEFAULT_VALUE_WEIGHT", "KINDS", "KV_SPLITS",
+           "fit_calibration", "sensitivity_scales"]

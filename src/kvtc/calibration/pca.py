@@ -36,13 +36,18 @@ RowSource = Callable[[], Iterable[torch.Tensor]]
 @dataclass
 class PCAResult:
     """``mean [p]``, ``basis [k, p]`` (rows are components), ``eigenvalues [k]`` (descending),
-    ``total_variance`` (trace of the covariance: the energy a full basis would capture), ``samples``."""
+    ``total_variance`` (trace of the covariance: the energy a full basis would capture), ``samples``.
+
+    ``scale [p]`` (optional, positive): the PCA was fitted on sensitivity-weighted rows ``x ∘ scale``, so
+    ``mean``, ``basis`` and ``eigenvalues`` live in that weighted space; a coder projects
+    ``(x − mean/scale) @ (basis ∘ scale)ᵀ`` and reconstructs ``coeffs @ (basis / scale) + mean/scale``."""
 
     mean: torch.Tensor
     basis: torch.Tensor
     eigenvalues: torch.Tensor
     total_variance: float
     samples: int
+    scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         p = self.mean.numel()
@@ -50,10 +55,23 @@ class PCAResult:
             raise CalibrationError(f"basis must be [k, {p}], got {tuple(self.basis.shape)}")
         if self.eigenvalues.shape != (self.basis.shape[0],):
             raise CalibrationError("eigenvalues must have one entry per basis row")
+        if self.scale is not None and (
+            self.scale.shape != (p,) or self.scale.dtype != torch.float32
+            or not bool(torch.isfinite(self.scale).all()) or not bool((self.scale > 0).all())
+        ):
+            raise CalibrationError(f"feature scale must be [{p}] positive finite float32")
 
     def truncate(self, k: int) -> PCAResult:
         return PCAResult(self.mean, self.basis[:k].contiguous(), self.eigenvalues[:k].clone(),
-                         self.total_variance, self.samples)
+                         self.total_variance, self.samples, self.scale)
+
+    def coder_basis(self, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, basis)`` in feature units for a coder: ``coeffs = (x − mean) @ basisᵀ`` with the encode
+        basis, ``x̂ = coeffs @ basis + mean`` with the decode basis (the same matrix when unweighted)."""
+        if self.scale is None:
+            return self.mean, self.basis
+        s = self.scale
+        return self.mean / s, (self.basis / s) if decode else (self.basis * s)
 
 
 class CovarianceAccumulator:

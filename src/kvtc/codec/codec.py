@@ -143,10 +143,10 @@ class Codec:
         return cls(None, None, backend=backend, **kw)
 
     # ------------------------------------------------------------------ helpers
-    def _basis(self, kind: str, g: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, basis = self._basis_fp32(kind, g)
+    def _basis(self, kind: str, g: int, k: int, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, basis = self._basis_fp32(kind, g, decode)
         if self._fused and self.precision == "bf16":
-            bkey = (kind, g, "bf16")
+            bkey = (kind, g, "bf16", decode)
             if bkey not in self._bases:
                 self._bases[bkey] = (mean, basis.to(torch.bfloat16))
             basis = self._bases[bkey][1]
@@ -158,7 +158,7 @@ class Codec:
         (for the projection); ``True``: ``[k16, p]`` column-major with per-feature scales ``[1, p]``."""
         key = (kind, g, "fp8", k, transposed)
         if key not in self._bases:
-            _, basis = self._basis_fp32(kind, g)
+            _, basis = self._basis_fp32(kind, g, decode=transposed)
             k16 = -(-k // 16) * 16
             b = torch.zeros((k16, basis.shape[1]), dtype=torch.float32, device=self.device)
             b[:k] = basis[:k]
@@ -172,11 +172,14 @@ class Codec:
                 self._bases[key] = (q.T, scale[None, :].contiguous())
         return self._bases[key]
 
-    def _basis_fp32(self, kind: str, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (kind, g)
+    def _basis_fp32(self, kind: str, g: int, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, basis)`` in feature units: the projection's (encode) or the reconstruction's (decode); they
+        differ only for a sensitivity-weighted calibration (:meth:`PCAResult.coder_basis`)."""
+        key = (kind, g, decode)
         if key not in self._bases:
             pca = self.calibration.pcas[kind][g]  # type: ignore[union-attr]
-            self._bases[key] = (pca.mean.to(self.device), pca.basis.to(self.device))
+            mean, basis = pca.coder_basis(decode)
+            self._bases[key] = (mean.to(self.device), basis.contiguous().to(self.device))
         return self._bases[key]
 
     def _project(self, x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor,
@@ -481,7 +484,7 @@ class Codec:
         for g in range(len(cols_all)):
             coeffs, pl = self._coefficients(kind, g, header, secs, clock)
             with clock("project"):
-                mean, basis = self._basis(kind, g, pl.components)
+                mean, basis = self._basis(kind, g, pl.components, decode=True)
                 fp8 = self._fp8_basis(kind, g, pl.components, True) if self._fp8 else None
                 x = self._reconstruct(coeffs, mean, basis, fp8, out)
             if rows is None:
@@ -524,7 +527,7 @@ class Codec:
                             continue
                         dst = torch.tensor([a for a, _ in idx], device=self.device)
                         src = torch.tensor([b for _, b in idx], device=self.device)
-                        mean, basis = self._basis(kind, g, pl.components)
+                        mean, basis = self._basis(kind, g, pl.components, decode=True)
                         x[:, dst] = self._reconstruct(c, mean[src], basis[:, src]).to(x.dtype)
                     full[:, s : T - w] = x.to(dt).to(out_dev).reshape(B, header.middle_tokens, *hd)
                 out.append(full)

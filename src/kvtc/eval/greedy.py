@@ -94,7 +94,8 @@ def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tens
             plans[ratio_key(r)][kind] = []
         for g, cols in enumerate(calibration.columns):
             pca = calibration.pcas[kind][g]
-            coeffs = (x[:, cols] - pca.mean) @ pca.basis.T
+            mean, basis = pca.coder_basis(decode=False)
+            coeffs = (x[:, cols] - mean) @ basis.T
             for r in ratios:
                 # the DP plan's own bits for this kind (after its K/V split), or the equal share without one
                 dp_plan = calibration.plans.get(ratio_key(r), {}).get(kind)

@@ -69,16 +69,27 @@ def markdown(result: dict[str, Any]) -> str:
             f"on {a['tokens']:,} tokens of the calibration corpus (the global kvtc rows use the full calibration); "
             "*greedy allocator* keeps kvtc's global basis and replaces the DP by a greedy marginal-gain "
             f"allocation measured on 1,024 of those rows; *without entropy coding* is the same codec with the "
-            "bit-packed planes stored as they are."
+            "bit-packed planes stored as they are"
+            + ("; *without sensitivity weighting* is the default recipe (same corpus and tokens) fitting the "
+               "paper's plain squared error instead of the Fisher-weighted one." if a.get("unweighted") else ".")
         )
         gains = result.get("acceptance", {}).get("ablations", {})
         if gains:
             lines.append("")
-            lines.append("| target | kvtc (global PCA, DP, entropy) | per-layer PCA | greedy allocator | entropy-coding gain |")
-            lines.append("|---|---|---|---|---|")
+            weighted = any(g.get("unweighted_delta_ppl_pct") is not None for g in gains.values())
+            head = "| target | kvtc (global PCA, DP, entropy) | per-layer PCA | greedy allocator | entropy-coding gain |"
+            if weighted:
+                head += " without sensitivity weighting (KL: weighted → unweighted) |"
+            lines.append(head)
+            lines.append("|---|---|---|---|---|" + ("---|" if weighted else ""))
             for t, g in gains.items():
-                lines.append(f"| {t} | {_pct(g['global_delta_ppl_pct'])} | {_pct(g['per_layer_delta_ppl_pct'])} | "
-                             f"{_pct(g['greedy_delta_ppl_pct'])} | ×{g['entropy_gain']:.3f} bytes saved |")
+                line = (f"| {t} | {_pct(g['global_delta_ppl_pct'])} | {_pct(g['per_layer_delta_ppl_pct'])} | "
+                        f"{_pct(g['greedy_delta_ppl_pct'])} | ×{g['entropy_gain']:.3f} bytes saved |")
+                if weighted:
+                    uw = g.get("unweighted_delta_ppl_pct")
+                    line += (f" {_pct(uw)} (KL {_f(g.get('global_kl'))} → {_f(g.get('unweighted_kl'))}) |"
+                             if uw is not None else " |")
+                lines.append(line)
     if result.get("conversation"):
         lines.append("")
         lines.append(f"Simulated conversation ({cfg['conversation_tokens']:,} tokens teacher-forced, compressed "

@@ -142,8 +142,10 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
     info["collect_s"] = round(time.perf_counter() - t0, 1)
     t1 = time.perf_counter()
     _say(cfg, "fitting the per-layer-PCA calibration")
+    # the same sensitivity weighting as the global calibration: this ablation changes the grouping only
+    scales = {k: cal.feature_scale(k) for k in ("keys", "values")} if cal.weighted else None
     per_layer = fit_calibration(layout, rows, ratios=ratios, grouping=PCAGrouping("layers", 1),
-                                rope=rope.to_dict(), model_id=cal.model_id,
+                                rope=rope.to_dict(), model_id=cal.model_id, feature_scale=scales,
                                 corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens})
     info["per_layer_fit_s"] = round(time.perf_counter() - t1, 1)
     t1 = time.perf_counter()
@@ -248,6 +250,16 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
                          label=f"kvtc per-layer PCA {r:g}x") for r in cfg.ablation_ratios]
         methods += [KVTC(abl["greedy"], r, name="kvtc-greedy", label=f"kvtc greedy allocator {r:g}x")
                     for r in cfg.ablation_ratios]
+        if cfg.calibration is None and cal.weighted:
+            # the default recipe without sensitivity weighting (the paper's plain squared error), same rows
+            from ..integrations.hf_calibrate import default_calibration
+
+            t0 = time.perf_counter()
+            plain = Calibration.load(default_calibration(progress=cfg.progress, sensitivity="none"))
+            timings["ablation_calibration"] += time.perf_counter() - t0
+            out["ablation_calibration"]["unweighted"] = {"fingerprint": plain.fingerprint, "corpus": plain.corpus}
+            methods += [KVTC(plain, r, name="kvtc-unweighted", label=f"kvtc without sensitivity weighting {r:g}x")
+                        for r in cfg.ablation_ratios]
 
     texts = _texts(cfg.texts)
     out["texts"] = list(cfg.texts)
@@ -391,10 +403,13 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
     for target in result.get("config", {}).get("ablation_ratios", []) if result.get("ablation_calibration") else []:
         g, p = kvtc_at(float(target)), rows.get(f"kvtc per-layer PCA {target:g}x")
         gr = rows.get(f"kvtc greedy allocator {target:g}x")
+        uw = rows.get(f"kvtc without sensitivity weighting {target:g}x")
         if g and p:
-            gains[f"{target:g}x"] = {"global_delta_ppl_pct": g["delta_ppl_pct"],
+            gains[f"{target:g}x"] = {"global_delta_ppl_pct": g["delta_ppl_pct"], "global_kl": g.get("kl"),
                                      "per_layer_delta_ppl_pct": p["delta_ppl_pct"],
                                      "greedy_delta_ppl_pct": gr["delta_ppl_pct"] if gr else None,
+                                     "unweighted_delta_ppl_pct": uw["delta_ppl_pct"] if uw else None,
+                                     "unweighted_kl": uw.get("kl") if uw else None,
                                      "entropy_gain": g["ratio"] / g["ratio_before_entropy"]}
     if gains:
         checks["ablations"] = gains

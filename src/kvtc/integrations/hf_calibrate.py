@@ -16,11 +16,11 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..calibration import Calibration, fit_calibration
-from ..calibration.fit import DEFAULT_RATIOS
-from ..codec import DEFAULT_SINKS
+from ..calibration.fit import DEFAULT_RATIOS, DEFAULT_SENSITIVITY_FLOOR, sensitivity_scales
+from ..codec import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import CalibrationError
-from ..layout import PCAGrouping
-from .hf import describe_model, extract_slice
+from ..layout import KVSlice, PCAGrouping
+from .hf import describe_model, extract_slice, rebuild_cache
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,21 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW_TOKENS = 1024
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
-#: names the fitting recipe of the cached default calibration (ratio grid, K/V split); a new recipe is a new file
-DEFAULT_RECIPE = "r2"
+#: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting); a
+#: new recipe is a new file. r3: Fisher-weighted; r2: the same without weighting (``sensitivity="none"``)
+DEFAULT_RECIPE = "r3"
+UNWEIGHTED_RECIPE = "r2"
+#: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
+#: squared error)
+SENSITIVITIES = ("fisher", "none")
+DEFAULT_SENSITIVITY = "fisher"
+#: windows of the calibration corpus whose loss gradients measure the sensitivity, and their shape
+DEFAULT_SENSITIVITY_WINDOWS = 8
+#: one weight per feature: on SmolLM2-135M it gave the least next-token KL of per-feature and per-(layer, head)
+#: weights (BENCHMARKS.md, "Sensitivity weighting")
+DEFAULT_SENSITIVITY_RESOLUTION = "feature"
+SENSITIVITY_CONTEXT = 2048
+SENSITIVITY_CONTINUATION = 256
 
 
 def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None) -> Iterator[torch.Tensor]:
@@ -94,6 +107,83 @@ def collect_rows(
         )
 
 
+def measure_sensitivity(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    windows: int = DEFAULT_SENSITIVITY_WINDOWS,
+    context: int = SENSITIVITY_CONTEXT,
+    continuation: int = SENSITIVITY_CONTINUATION,
+    sinks: int = DEFAULT_SINKS,
+    recent: int = DEFAULT_WINDOW,
+    progress: bool = True,
+    labels: str = "text",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """How much the model's loss feels each cached feature: ``{"keys": [p], "values": [p]}`` float32, the mean
+    squared gradient of the next-token loss with respect to the pre-RoPE keys and the values of a cache.
+
+    For each of ``windows`` windows of ``texts``: prefill ``context`` tokens, put that cache back with its keys
+    and values as leaves (RoPE re-applied by :func:`rebuild_cache`, so key gradients are pre-RoPE), teacher-force
+    the next ``continuation`` tokens and backpropagate their summed negative log-likelihood. Only the positions a
+    codec compresses count: past the ``sinks``, before the ``recent`` raw window. The squared gradient is the
+    diagonal of the Fisher information: a small error ``δ`` costs about ``½ Σ F·δ²`` nats of KL.
+
+    ``labels="text"`` scores the text's own next tokens (the empirical Fisher); ``"model"`` draws each position's
+    label from the model's own next-token distribution (an unbiased one-sample estimate of the true Fisher).
+    """
+    if labels not in ("text", "model"):
+        raise CalibrationError(f"labels must be 'text' or 'model', got {labels!r}")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    from transformers import DynamicCache
+
+    if context <= sinks + recent or continuation < 1:
+        raise CalibrationError(f"sensitivity context ({context}) must exceed sinks + recent window ({sinks + recent})")
+    layout, _ = describe_model(model)
+    device = next(model.parameters()).device
+    sums = {kind: torch.zeros(layout.num_features, dtype=torch.float64) for kind in ("keys", "values")}
+    count = 0
+    flags = [p.requires_grad for p in model.parameters()]
+    bar = _bar(windows, "sensitivity windows", progress)
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for ids in token_windows(tokenizer, texts, context + continuation + 1, windows):
+            ids = ids.to(device)
+            with torch.inference_mode():
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids[None, :context], past_key_values=cache, use_cache=True)
+            kv = extract_slice(cache, model)
+            with torch.enable_grad():
+                k = kv.keys.clone().float().requires_grad_(True)
+                v = kv.values.clone().float().requires_grad_(True)
+                lossy = rebuild_cache(KVSlice(kv.layout, k, v, kv.positions.clone(), kv.model_id), model,
+                                      linear_states=cache)
+                del cache
+                logits = model(input_ids=ids[None, context:-1], past_key_values=lossy, use_cache=True).logits[0]
+                target = ids[context + 1 :]
+                if labels == "model":
+                    probs = torch.softmax(logits.detach().float(), dim=-1).cpu()
+                    target = torch.multinomial(probs, 1, generator=gen)[:, 0].to(device)
+                loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum")
+                loss.backward()
+            for kind, t in (("keys", k), ("values", v)):
+                g = t.grad[0, sinks : context - recent].reshape(-1, layout.num_features)
+                sums[kind] += g.double().square().sum(0).cpu()
+            count += context - recent - sinks
+            bar.update(1)
+    finally:
+        bar.close()
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+    if count == 0:
+        raise CalibrationError(
+            f"the corpus has no window of {context + continuation + 1} tokens to measure sensitivity on; "
+            "add longer documents or calibrate with sensitivity='none'"
+        )
+    return {kind: (t / count).float() for kind, t in sums.items()}
+
+
 def calibrate_model(
     model: Any,
     tokenizer: Any,
@@ -106,19 +196,41 @@ def calibrate_model(
     model_id: str = "",
     corpus: dict[str, Any] | None = None,
     progress: bool = True,
+    sensitivity: str = DEFAULT_SENSITIVITY,
+    sensitivity_windows: int = DEFAULT_SENSITIVITY_WINDOWS,
+    sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR,
+    sensitivity_resolution: str = DEFAULT_SENSITIVITY_RESOLUTION,
     **fit_kwargs: Any,
 ) -> Calibration:
     """Calibration of ``model`` on ``texts``: pre-RoPE PCA bases and a DP bit plan per ratio.
 
     ``tokens`` calibration rows are taken from windows of ``window`` tokens, the first ``sinks`` positions of
     each excluded. The model's RoPE spec is stored in the calibration and checked whenever it is used.
+
+    ``sensitivity="fisher"`` (default; ours) first measures the loss's sensitivity to every cached feature on
+    ``sensitivity_windows`` windows of the same texts (:func:`measure_sensitivity`) and fits on rows weighted by
+    it, one weight per feature (``sensitivity_resolution="head"``: per (layer, KV head)), floored at
+    ``sensitivity_floor`` of the mean (:func:`~kvtc.calibration.fit.sensitivity_scales`); ``"none"`` fits the
+    paper's plain squared error.
     """
+    if sensitivity not in SENSITIVITIES:
+        raise CalibrationError(f"unknown sensitivity {sensitivity!r}; use one of {', '.join(SENSITIVITIES)}")
     layout, rope = describe_model(model)
     t0 = time.perf_counter()
+    meta_sens: dict[str, Any] = {"method": sensitivity}
+    if sensitivity == "fisher" and "feature_scale" not in fit_kwargs:
+        fisher = measure_sensitivity(model, tokenizer, texts, windows=sensitivity_windows, sinks=sinks,
+                                     progress=progress)
+        fit_kwargs["feature_scale"] = sensitivity_scales(fisher, sensitivity_resolution, sensitivity_floor,
+                                                         layout.head_dim)
+        meta_sens.update(windows=sensitivity_windows, context=SENSITIVITY_CONTEXT,
+                         continuation=SENSITIVITY_CONTINUATION, resolution=sensitivity_resolution,
+                         floor=sensitivity_floor,
+                         seconds=round(time.perf_counter() - t0, 3))
     rows = collect_rows(model, tokenizer, texts, tokens, window, sinks, progress)
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
-    meta.update({"tokens": tokens, "window": window, "sinks_excluded": sinks})
+    meta.update({"tokens": tokens, "window": window, "sinks_excluded": sinks, "sensitivity": meta_sens})
     cal = fit_calibration(layout, _timed(rows, meta), ratios=ratios, grouping=grouping, rope=rope.to_dict(),
                           model_id=model_id or str(getattr(model.config, "_name_or_path", "")), corpus=meta,
                           progress=say, **fit_kwargs)
@@ -157,12 +269,16 @@ def check_model(calibration: Calibration, model: Any) -> None:
         )
 
 
-def default_calibration(tokens: int = DEFAULT_TOKENS, progress: bool = True) -> Path:
+def default_calibration(tokens: int = DEFAULT_TOKENS, progress: bool = True,
+                        sensitivity: str = DEFAULT_SENSITIVITY) -> Path:
     """The embedded default's calibration (SmolLM2 on pre-2000 State of the Union speeches), built on first
-    use and cached; returns its path."""
+    use and cached; returns its path. ``sensitivity="none"``: the unweighted one (the eval's ablation)."""
     from .. import assets
 
-    path = assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{tokens}-{DEFAULT_RECIPE}.safetensors"
+    if sensitivity not in SENSITIVITIES:
+        raise CalibrationError(f"unknown sensitivity {sensitivity!r}; use one of {', '.join(SENSITIVITIES)}")
+    recipe = DEFAULT_RECIPE if sensitivity == "fisher" else UNWEIGHTED_RECIPE
+    path = assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{tokens}-{recipe}.safetensors"
     if path.is_file():
         return path
     with assets.file_lock(path.with_suffix(".lock")):
@@ -171,7 +287,8 @@ def default_calibration(tokens: int = DEFAULT_TOKENS, progress: bool = True) -> 
         model, tok = assets.load_model("default")
         log.info("building the default calibration (%d tokens); this happens once", tokens)
         cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), tokens=tokens,
-                              model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=progress)
+                              model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=progress,
+                              sensitivity=sensitivity)
         cal.save(path)
     return path
 
