@@ -16,6 +16,7 @@ of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -24,7 +25,7 @@ import torch
 
 from kvtc import assets
 from kvtc.calibration import fit_calibration, sensitivity_scales
-from kvtc.calibration.fit import DEFAULT_SENSITIVITY_FLOOR, DEFAULT_VALUE_WEIGHT
+from kvtc.calibration.fit import DEFAULT_SENSITIVITY_FLOOR
 from kvtc.eval.methods import KVTC
 from kvtc.eval.protocols import storage_roundtrip
 from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
@@ -32,14 +33,15 @@ from kvtc.integrations.hf import describe_model
 from kvtc.integrations.hf_calibrate import collect_rows, measure_sensitivity
 
 TEXTS = {"sotu-2000on": "speeches from 2000 on", "wikipedia": "Wikipedia"}
-#: variant -> (description, resolution or None, Fisher labels, normalisation)
+#: variant -> (description, resolution or None, Fisher labels, normalisation: "joint" = one constant over keys and
+#: values and the K/V split on summed weighted errors; "kind" = each kind to mean 1, split on relative errors)
 VARIANTS = {
     "none": ("none (the paper's squared error)", None, None, None),
-    "head": ("per (layer, KV head)", "head", "text", "joint"),
-    "feature": ("per feature (default)", "feature", "text", "joint"),
-    "feature-model": ("per feature, labels drawn from the model (true Fisher)", "feature", "model", "joint"),
-    "feature-kind": ("per feature, keys and values normalised apart, relative split (values ×2)", "feature", "text",
-                     "kind"),
+    "head": ("per (layer, KV head), joint", "head", "text", "joint"),
+    "feature": ("per feature, joint", "feature", "text", "joint"),
+    "feature-model": ("per feature, joint, labels drawn from the model (true Fisher)", "feature", "model", "joint"),
+    "feature-kind": ("per feature, per kind", "feature", "text", "kind"),
+    "feature-kind-model": ("per feature, per kind, labels drawn from the model", "feature", "model", "kind"),
 }
 
 
@@ -49,8 +51,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sensitivity-windows", type=int, default=8)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--ratios", type=float, nargs="+", default=[8, 16])
-    ap.add_argument("--variants", nargs="+", default=["none", "head", "feature"], choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--name", default="sensitivity", help="results/NAME.json and the NAME section of BENCHMARKS.md")
+    ap.add_argument("--render", action="store_true", help="re-render results/NAME.json into BENCHMARKS.md, no run")
     args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads((_report.RESULTS / f"{args.name}.json").read_text())
+        _report.publish(args.name, result, markdown(result))
+        return 0
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, tok = assets.load_model("default")
@@ -64,14 +72,10 @@ def main(argv: list[str]) -> int:
         _, resolution, labels, norm = VARIANTS[name]
         kw: dict = {}
         if resolution:
-            fisher = fishers[labels]
-            if norm == "kind":  # each kind's weights to mean 1 on its own; the split on relative errors
-                fisher = {k: t / t.mean() for k, t in fisher.items()}
-            kw["feature_scale"] = scales = sensitivity_scales(fisher, resolution, DEFAULT_SENSITIVITY_FLOOR, layout.head_dim)
-            if norm == "kind":
-                e = {k: sum(float(((x * scales[k]) - (x * scales[k]).mean(0)).double().square().sum())
-                            for x in (pair[i] for pair in rows)) for i, k in enumerate(("keys", "values"))}
-                kw["value_weight"] = DEFAULT_VALUE_WEIGHT * e["keys"] / e["values"]
+            kw["feature_scale"] = sensitivity_scales(fishers[labels], resolution, DEFAULT_SENSITIVITY_FLOOR,
+                                                     layout.head_dim, normalize=norm)
+            if norm == "joint":
+                kw.update(split_errors="weighted", value_weight=1.0)
         cal = fit_calibration(layout, rows, ratios=args.ratios, rope=rope.to_dict(), **kw)
         methods += [KVTC(cal, r, name=name, label=f"{name} {r:g}x") for r in args.ratios]
     del rows
@@ -84,10 +88,10 @@ def main(argv: list[str]) -> int:
             s = tallies[m.label].summary()
             out_rows.append({"text": text, "weighting": m.name, "target": m.ratio, **{k: s.get(k) for k in (
                 "ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")}})
-    result = {"command": _report.command(), "machine": _report.machine(), "tokens": args.tokens,
+    result = {"name": args.name, "command": _report.command(), "machine": _report.machine(), "tokens": args.tokens,
               "sensitivity_windows": args.sensitivity_windows, "windows": args.windows,
               "floor": DEFAULT_SENSITIVITY_FLOOR, "rows": out_rows, "seconds": round(time.perf_counter() - t0, 1)}
-    _report.publish("sensitivity", result, markdown(result))
+    _report.publish(args.name, result, markdown(result))
     return 0
 
 
@@ -109,7 +113,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {TEXTS[r['text']]} | {VARIANTS[r['weighting']][0]} | {r['target']:g}× | {r['ratio']:.2f}× | {r['delta_ppl_pct']:+.2f}% | "
                      f"{r['kl']:.5f} | {r['top1_agreement']:.3f} | {r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |")
-    lines += ["", "Result: `benchmarks/results/sensitivity.json`."]
+    lines += ["", f"Result: `benchmarks/results/{result.get('name', 'sensitivity')}.json`."]
     return "\n".join(lines)
 
 

@@ -53,17 +53,22 @@ def cals() -> tuple[Calibration, Calibration, dict[str, torch.Tensor]]:
 def test_sensitivity_scales_normalise_jointly_floor_and_average_per_head() -> None:
     k = torch.tensor([1.0, 3.0, 0.0, 0.0])  # two heads of head_dim 2
     v = torch.tensor([4.0, 4.0, 8.0, 8.0])
-    s = sensitivity_scales({"keys": k, "values": v}, "head", floor=0.01, head_dim=2)
+    s = sensitivity_scales({"keys": k, "values": v}, "head", floor=0.01, head_dim=2, normalize="joint")
     mean = (2 + 2 + 0 + 0 + 4 + 4 + 8 + 8) / 8  # per-head means, then one mean over keys and values
     assert torch.allclose(s["keys"], torch.tensor([2 / mean, 2 / mean, 0.01, 0.01]).sqrt())
     assert torch.allclose(s["values"], torch.tensor([4 / mean, 4 / mean, 8 / mean, 8 / mean]).sqrt())
+    s = sensitivity_scales({"keys": k, "values": v}, "head", floor=0.01, head_dim=2)  # each kind to mean 1
+    assert torch.allclose(s["keys"], torch.tensor([2.0, 2.0, 0.01, 0.01]).sqrt())
+    assert torch.allclose(s["values"], torch.tensor([4 / 6, 4 / 6, 8 / 6, 8 / 6]).sqrt())
     f = sensitivity_scales({"keys": k, "values": v}, "feature", floor=0.01)
     assert f["keys"][0] < f["keys"][1]
+    with pytest.raises(CalibrationError, match="normalize"):
+        sensitivity_scales({"keys": k, "values": v}, "head", head_dim=2, normalize="both")
     for bad in ({"keys": k}, {"keys": -k, "values": v}, {"keys": k, "values": torch.zeros(3)}):
         with pytest.raises(CalibrationError):
             sensitivity_scales(bad, "head", head_dim=2)
     with pytest.raises(CalibrationError, match="zero"):
-        sensitivity_scales({"keys": torch.zeros(4), "values": torch.zeros(4)}, "head", head_dim=2)
+        sensitivity_scales({"keys": torch.zeros(4), "values": v}, "head", head_dim=2)
 
 
 def test_weighted_calibration_lowers_the_weighted_error_at_the_same_bytes(cals) -> None:
@@ -127,7 +132,7 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
     assert json.loads(_meta(path.read_bytes()))["version"] == 2
     assert json.loads(_meta(plain.to_bytes()))["version"] == 1  # unweighted files stay readable by older kvtc
-    assert weighted.stats["kv_split"]["errors"] == "weighted"
+    assert weighted.stats["kv_split"]["errors"] == "relative"
 
 
 def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
@@ -142,6 +147,21 @@ def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
     meta["pca"]["keys"][0]["scaled"] = False
     with pytest.raises(CalibrationError):
         Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
+
+
+def test_weighted_split_sums_the_weighted_errors(cals) -> None:
+    # with scales that keep the loss's K-vs-V proportion, the joint split can sum weighted errors instead
+    k, v = _rows(0)
+    joint = sensitivity_scales({"keys": torch.full((P,), 1.0), "values": torch.full((P,), 100.0)}, "feature",
+                               normalize="joint")
+    cal = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, feature_scale=joint, split_errors="weighted",
+                          value_weight=1.0)
+    rel = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, feature_scale=joint)
+    assert cal.stats["kv_split"]["errors"] == "weighted"
+    # values weigh 100x more in the summed error: they get a larger share than the relative split gives them
+    assert cal.stats["kv_split"]["value_share"]["8"][0] > rel.stats["kv_split"]["value_share"]["8"][0]
+    with pytest.raises(CalibrationError, match="split_errors"):
+        fit_calibration(LAYOUT, [(k, v)], ratios=(8,), split_errors="weighted")
 
 
 def test_bad_feature_scales_are_refused() -> None:

@@ -49,8 +49,7 @@ def add_calibrate(sub: Any) -> None:
                    help="joint: keys and values share one bit budget, split where the weighted relative error "
                         "is least (default); equal: the same budget for each")
     p.add_argument("--value-weight", type=float, default=None,
-                   help="weight of the values' error in the joint split (default 2 on relative errors; 1 on "
-                        "sensitivity-weighted errors)")
+                   help="weight of the values' relative error in the joint split (default 2)")
     p.add_argument("--sensitivity", choices=("fisher", "none"), default="fisher",
                    help="fisher: weigh each (layer, KV head) by the loss's measured sensitivity before the PCA "
                         "and DP (default); none: the paper's plain squared error")

@@ -92,8 +92,9 @@ def fit_calibration(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     kv_split: str = "joint",
-    value_weight: float | None = None,
+    value_weight: float = DEFAULT_VALUE_WEIGHT,
     feature_scale: Mapping[str, torch.Tensor] | None = None,
+    split_errors: str = "relative",
 ) -> Calibration:
     """PCA + DP for keys and values and every PCA group. The basis is cut to the components some plan keeps.
 
@@ -104,18 +105,18 @@ def fit_calibration(
     ``kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR`` bits
     per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
     calibration rows) is least; ``"equal"`` gives each ``16p/CR`` (the paper's rule applied per kind).
-    ``value_weight`` defaults to :data:`DEFAULT_VALUE_WEIGHT` unweighted and to 1 with ``feature_scale``.
 
     ``feature_scale`` (ours): ``{"keys": [p], "values": [p]}`` positive scales (see :func:`sensitivity_scales`);
     the PCA and the DP then run on ``x ∘ scale``, so the squared error they minimise is weighted by
-    ``scale²``, the loss's sensitivity to each feature. Keys and values then share one unit (the loss), and the
-    joint split minimises ``err_K + value_weight·err_V`` in that unit, not relative errors.
+    ``scale²``, the loss's sensitivity to each feature; the energies and errors above are then weighted ones.
+    ``split_errors="weighted"`` splits on ``err_K + value_weight·err_V`` instead of relative errors (for scales
+    that keep the loss's own K-vs-V proportion, ``sensitivity_scales(..., normalize="joint")``).
     """
     say = progress or (lambda _msg: None)
     p = layout.num_features
     scales = _check_scales(feature_scale, p)
-    if value_weight is None:
-        value_weight = 1.0 if scales else DEFAULT_VALUE_WEIGHT
+    if split_errors not in ("relative", "weighted") or (split_errors == "weighted" and not scales):
+        raise CalibrationError(f"split_errors must be 'relative' or, with feature_scale, 'weighted'; got {split_errors!r}")
     if scales:
         rows = _scaled_source(rows, scales["keys"], scales["values"])
     cols = grouping.columns(layout)
@@ -159,7 +160,7 @@ def fit_calibration(
     pcas: dict[str, list[PCAResult]] = {}
     plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
     stats["kv_split"] = {"mode": kv_split, "value_weight": value_weight if kv_split == "joint" else None,
-                         "errors": "weighted" if scales else "relative", "value_share": {}}
+                         "errors": split_errors, "value_share": {}}
     t0 = time.perf_counter()
     for kind in KINDS:
         res = reservoirs[kind]
@@ -182,7 +183,7 @@ def fit_calibration(
             curves[kind] = error_curve(coeffs, share * max(budgets), sizes, types)
             del x, coeffs
         for r, budget in zip(ratios, budgets):
-            if kv_split == "joint" and scales:
+            if kv_split == "joint" and split_errors == "weighted":
                 bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget, 1.0, value_weight)
             elif kv_split == "joint":
                 bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget,
@@ -221,15 +222,19 @@ def sensitivity_scales(
     resolution: str = "head",
     floor: float = DEFAULT_SENSITIVITY_FLOOR,
     head_dim: int | None = None,
+    normalize: str = "kind",
 ) -> dict[str, torch.Tensor]:
     """Feature scales for :func:`fit_calibration` from per-feature sensitivities (mean squared gradients of
     the loss, ``{"keys": [p], "values": [p]}``, e.g. from
     :func:`kvtc.integrations.hf_calibrate.measure_sensitivity`).
 
-    Weights are normalised by one constant over keys *and* values (so their relative scale, the loss's, is
-    kept), averaged over each KV head's ``head_dim`` features when ``resolution="head"``, raised to at least
-    ``floor`` times the mean, and returned as ``sqrt(weight)``.
+    Weights are averaged over each KV head's ``head_dim`` features when ``resolution="head"``, normalised to mean
+    1 per kind (``normalize="kind"``: the budget split between keys and values stays on relative errors) or by
+    one constant over keys and values (``"joint"``: the loss's own K-vs-V proportion, for
+    ``split_errors="weighted"``), raised to at least ``floor`` and returned as ``sqrt(weight)``.
     """
+    if normalize not in ("kind", "joint"):
+        raise CalibrationError(f"normalize must be 'kind' or 'joint', got {normalize!r}")
     if resolution not in SENSITIVITY_RESOLUTIONS:
         raise CalibrationError(f"unknown sensitivity resolution {resolution!r}; use one of {SENSITIVITY_RESOLUTIONS}")
     if not floor > 0:
@@ -247,10 +252,12 @@ def sensitivity_scales(
         w[kind] = t
     if w["keys"].shape != w["values"].shape:
         raise CalibrationError("key and value sensitivities differ in length")
-    mean = float(torch.cat([w["keys"], w["values"]]).mean())
-    if not mean > 0:
-        raise CalibrationError("all sensitivities are zero: the loss did not reach the cache (check the model)")
-    return {kind: (w[kind] / mean).clamp(min=floor).sqrt().float() for kind in KINDS}
+    means = {kind: float(w[kind].mean()) for kind in KINDS}
+    if normalize == "joint":
+        means = dict.fromkeys(KINDS, float(torch.cat([w["keys"], w["values"]]).mean()))
+    if not all(m > 0 for m in means.values()):
+        raise CalibrationError("sensitivities are all zero: the loss did not reach the cache (check the model)")
+    return {kind: (w[kind] / means[kind]).clamp(min=floor).sqrt().float() for kind in KINDS}
 
 
 def _check_scales(scales: Mapping[str, torch.Tensor] | None, p: int) -> dict[str, torch.Tensor] | None:

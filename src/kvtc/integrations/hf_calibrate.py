@@ -29,8 +29,9 @@ DEFAULT_WINDOW_TOKENS = 1024
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
 #: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting); a
-#: new recipe is a new file. r3: Fisher-weighted; r2: the same without weighting (``sensitivity="none"``)
-DEFAULT_RECIPE = "r3"
+#: new recipe is a new file. r4: Fisher-weighted per feature (each kind normalised apart); r2: the same without
+#: weighting (``sensitivity="none"``)
+DEFAULT_RECIPE = "r4"
 UNWEIGHTED_RECIPE = "r2"
 #: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
 #: squared error)
@@ -41,6 +42,8 @@ DEFAULT_SENSITIVITY_WINDOWS = 8
 #: one weight per feature: on SmolLM2-135M it gave the least next-token KL of per-feature and per-(layer, head)
 #: weights (BENCHMARKS.md, "Sensitivity weighting")
 DEFAULT_SENSITIVITY_RESOLUTION = "feature"
+#: the labels whose loss gradients are measured: "text" (the empirical Fisher) or "model" (sampled: true Fisher)
+DEFAULT_SENSITIVITY_LABELS = "text"
 SENSITIVITY_CONTEXT = 2048
 SENSITIVITY_CONTINUATION = 256
 
@@ -200,6 +203,7 @@ def calibrate_model(
     sensitivity_windows: int = DEFAULT_SENSITIVITY_WINDOWS,
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR,
     sensitivity_resolution: str = DEFAULT_SENSITIVITY_RESOLUTION,
+    sensitivity_labels: str = DEFAULT_SENSITIVITY_LABELS,
     **fit_kwargs: Any,
 ) -> Calibration:
     """Calibration of ``model`` on ``texts``: pre-RoPE PCA bases and a DP bit plan per ratio.
@@ -220,12 +224,12 @@ def calibrate_model(
     meta_sens: dict[str, Any] = {"method": sensitivity}
     if sensitivity == "fisher" and "feature_scale" not in fit_kwargs:
         fisher = measure_sensitivity(model, tokenizer, texts, windows=sensitivity_windows, sinks=sinks,
-                                     progress=progress)
+                                     progress=progress, labels=sensitivity_labels)
         fit_kwargs["feature_scale"] = sensitivity_scales(fisher, sensitivity_resolution, sensitivity_floor,
                                                          layout.head_dim)
         meta_sens.update(windows=sensitivity_windows, context=SENSITIVITY_CONTEXT,
                          continuation=SENSITIVITY_CONTINUATION, resolution=sensitivity_resolution,
-                         floor=sensitivity_floor,
+                         labels=sensitivity_labels, normalize="kind", floor=sensitivity_floor,
                          seconds=round(time.perf_counter() - t0, 3))
     rows = collect_rows(model, tokenizer, texts, tokens, window, sinks, progress)
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
