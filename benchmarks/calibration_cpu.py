@@ -53,7 +53,10 @@ def main() -> None:
         source = "timings recorded in the cached default calibration when it was built"
     secs = cal.stats.get("seconds", {})
     total, collect, pca, dp = (secs.get(k) for k in ("total", "collect", "pca", "dp"))
+    sens = (cal.corpus.get("sensitivity") or {}).get("seconds")
     stages = [
+        *([{"stage": f"sensitivity: {cal.corpus['sensitivity'].get('windows')} forward + backward passes", "s": sens}]
+          if sens is not None else []),
         {"stage": "collect: model forwards over the corpus", "s": collect},
         {"stage": "PCA: covariance accumulation + eigendecomposition", "s": pca - collect if pca and collect else pca},
         {"stage": f"DP bit allocation ({len(cal.ratios)} ratios x keys, values)", "s": dp},

@@ -227,3 +227,26 @@ def test_measured_sensitivity_predicts_which_heads_the_loss_feels(smollm2, sotu_
             model(input_ids=ids[None, ctx:-1], past_key_values=cache, use_cache=True).logits[0].float(), targets))
     d_hi, d_lo = abs(loss_with_noise(*hi) - base), abs(loss_with_noise(*lo) - base)
     assert d_hi > 5 * d_lo, (hi, lo, d_hi, d_lo)
+
+
+def test_weighted_rows_stream_one_chunk_at_a_time() -> None:
+    """A one-pass source (a generator of chunks) stays streamed when weighted: memory O(p²), not O(rows)."""
+    from kvtc.calibration.fit import _scaled_source
+
+    pulled = []
+
+    def chunks():
+        for i in range(3):
+            pulled.append(i)
+            yield torch.ones(4, P), torch.ones(4, P)
+
+    scales = _scales()
+    it = iter(_scaled_source(chunks(), scales["keys"], scales["values"]))
+    k, v = next(it)
+    assert pulled == [0] and torch.allclose(k[0], scales["keys"])
+    k, v = _rows(5, 512)
+    gen_cal = fit_calibration(LAYOUT, ((k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)), ratios=(4,),
+                              dp_rows=512, feature_scale=scales)
+    list_cal = fit_calibration(LAYOUT, [(k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)], ratios=(4,),
+                               dp_rows=512, feature_scale=scales)
+    assert torch.equal(gen_cal.pcas["keys"][0].basis, list_cal.pcas["keys"][0].basis)

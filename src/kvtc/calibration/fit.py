@@ -283,7 +283,7 @@ def _scaled_source(rows: Source, sk: torch.Tensor, sv: torch.Tensor) -> Source:
 
     if callable(rows):
         return lambda: gen(rows())
-    return list(gen(rows))
+    return gen(rows)  # type: ignore[return-value]  # one lazy pass: rows stream, memory stays O(p²)
 
 
 def _check_pair(pair: Any, p: int) -> tuple[torch.Tensor, torch.Tensor]:
