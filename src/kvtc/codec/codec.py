@@ -214,7 +214,10 @@ class Codec:
             r0 = 0
             for o in out:
                 r1 = r0 + o.shape[0]
-                res = torch._scaled_mm(a[r0:r1], fp8[0], scale_a=sa[r0:r1], scale_b=fp8[1], out_dtype=torch.bfloat16)
+                # cuBLASLt wants 16-byte aligned scale pointers: a block starting at a row that is not a multiple of
+                # 4 gets its own copy of the (tiny) row-scale vector; its fp8 rows are k16 bytes each, always aligned
+                sa_blk = sa[r0:r1] if r0 % 4 == 0 else sa[r0:r1].clone()
+                res = torch._scaled_mm(a[r0:r1], fp8[0], scale_a=sa_blk, scale_b=fp8[1], out_dtype=torch.bfloat16)
                 torch.add(res, mean16, out=o)
                 r0 = r1
             return None
