@@ -250,3 +250,13 @@ def test_weighted_rows_stream_one_chunk_at_a_time() -> None:
     list_cal = fit_calibration(LAYOUT, [(k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)], ratios=(4,),
                                dp_rows=512, feature_scale=scales)
     assert torch.equal(gen_cal.pcas["keys"][0].basis, list_cal.pcas["keys"][0].basis)
+
+
+def test_codec_keeps_one_basis_copy_unless_weighted(cals) -> None:
+    """Encode and decode share the basis of an unweighted calibration (one device copy, not two); a weighted one
+    needs its two distinct matrices."""
+    plain, weighted, _ = cals
+    for cal, shared in ((plain, True), (weighted, False)):
+        codec = Codec(cal, 8)
+        # the cached entry itself (on a GPU each entry is its own device copy)
+        assert (codec._basis_fp32("keys", 0) is codec._basis_fp32("keys", 0, decode=True)) is shared

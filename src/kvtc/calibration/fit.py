@@ -219,7 +219,7 @@ def fit_calibration(
 
 def sensitivity_scales(
     sensitivity: Mapping[str, torch.Tensor],
-    resolution: str = "head",
+    resolution: str = "feature",
     floor: float = DEFAULT_SENSITIVITY_FLOOR,
     head_dim: int | None = None,
     normalize: str = "kind",

@@ -143,7 +143,13 @@ class Codec:
         return cls(None, None, backend=backend, **kw)
 
     # ------------------------------------------------------------------ helpers
+    def _side(self, kind: str, g: int, decode: bool) -> bool:
+        """Whether the decode basis differs from the encode one (sensitivity-weighted groups only): the cache
+        keys on this, so an unweighted codec holds one copy of each basis for both directions."""
+        return decode and self.calibration.pcas[kind][g].scale is not None  # type: ignore[union-attr]
+
     def _basis(self, kind: str, g: int, k: int, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        decode = self._side(kind, g, decode)
         mean, basis = self._basis_fp32(kind, g, decode)
         if self._fused and self.precision == "bf16":
             bkey = (kind, g, "bf16", decode)
@@ -175,6 +181,7 @@ class Codec:
     def _basis_fp32(self, kind: str, g: int, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mean, basis)`` in feature units: the projection's (encode) or the reconstruction's (decode); they
         differ only for a sensitivity-weighted calibration (:meth:`PCAResult.coder_basis`)."""
+        decode = self._side(kind, g, decode)
         key = (kind, g, decode)
         if key not in self._bases:
             pca = self.calibration.pcas[kind][g]  # type: ignore[union-attr]
