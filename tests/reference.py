@@ -1,7 +1,8 @@
 """A deliberately plain float64 reference of KVTC encode+decode for one plan (the test oracle).
 
 Written independently of kvtc.codec: per-group Python loops, float64 arithmetic, the quantizer
-semantics spelled out from ALGORITHM.md (fp16 shift and scale, scale rounded up so the range is covered).
+semantics spelled out from ALGORITHM.md (fp16 shift and scale, scale rounded up so the range is covered) and,
+for the scale-only types, from kvtc.quant's docstring (levels at (q - L/2)·scale, scale = 2·max|x|/L).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvtc.calibration.dp import Plan
-from kvtc.quant import DROP, FP8, INT2, INT4
+from kvtc.quant import DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S
 
 F16_MAX = 65504.0
 
@@ -20,12 +21,25 @@ def _f16_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(h < x, nxt, h)
 
 
-def quantize_dequantize(x: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x: [tokens, size] float64 -> reconstruction, float64."""
+def quantize_dequantize(x: torch.Tensor, qtype: int, clip: float = 1.0) -> torch.Tensor:
+    """x: [tokens, size] float64 -> reconstruction, float64. ``clip``: the encoder's clip of a scale-only int group."""
     lo = x.min(dim=1).values
     hi = x.max(dim=1).values
-    if qtype in (INT2, INT4):
-        levels = 3 if qtype == INT2 else 15
+    if qtype in (INT2S, INT3S, INT4S):
+        levels = {INT2S: 3, INT3S: 7, INT4S: 15}[qtype]
+        scale = _f16_up(torch.maximum(-lo, hi).clamp(min=0) * clip * 2 / levels)
+        q = torch.zeros_like(x)
+        ok = scale > 0
+        q[ok] = (x[ok] / scale[ok, None] + levels / 2).round().clamp(0, levels)
+        return (q - levels / 2) * scale[:, None]
+    if qtype == FP8S:
+        scale = _f16_up(torch.maximum(-lo, hi).clamp(min=0) / 448.0)
+        y = torch.zeros_like(x)
+        ok = scale > 0
+        y[ok] = (x[ok] / scale[ok, None]).clamp(-448, 448)
+        return y.float().to(torch.float8_e4m3fn).double() * scale[:, None]
+    if qtype in (INT2, INT3, INT4):
+        levels = {INT2: 3, INT3: 7, INT4: 15}[qtype]
         shift = lo.clamp(-F16_MAX, F16_MAX).to(torch.float16).double()
         scale = _f16_up((hi - shift).clamp(min=0) / levels)
         q = torch.zeros_like(x)
@@ -50,8 +64,9 @@ def roundtrip(rows: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, plan:
     b = basis.double()
     d = (x - mean.double()) @ b.T
     dhat = torch.zeros_like(d)
+    clips = iter(plan.kept_clips())
     for start, size, qtype in plan.groups():
         if qtype == DROP:
             continue
-        dhat[:, start : start + size] = quantize_dequantize(d[:, start : start + size], qtype)
+        dhat[:, start : start + size] = quantize_dequantize(d[:, start : start + size], qtype, next(clips))
     return dhat @ b + mean.double()

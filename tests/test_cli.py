@@ -99,3 +99,16 @@ def test_generate_resume_of_truncated_file(capsys, tmp_path, small_calibration_p
     bad.write_bytes(b"KVTC\x01\x00")
     code, _, err = run_cli(capsys, "generate", "--resume", bad, "--calibration", small_calibration_path)
     assert_one_line_error(code, err, "cut.kvtc")
+
+
+def test_calibrate_types_option_parses_names_and_refuses_unknown_ones():
+    from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES
+    from kvtc.cli import parse_types
+    from kvtc.errors import KVTCError
+    from kvtc.quant import INT2S, INT3
+
+    assert parse_types("all") == DEFAULT_TYPES and parse_types("paper") == PAPER_TYPES
+    assert parse_types("int3, int2s,int3") == (INT3, INT2S)
+    for bad in ("int9", "drop", ","):
+        with pytest.raises(KVTCError, match="quantization type"):
+            parse_types(bad)

@@ -29,7 +29,7 @@ TYPES = (INT2, INT4, FP8)
 def brute_force(coeffs: torch.Tensor, budget: float) -> float:
     """Least error over every aligned partition of the k components into typed groups."""
     k = coeffs.shape[1]
-    drop, errs = candidate_errors(coeffs, SIZES, TYPES)
+    drop, errs = candidate_errors(coeffs, SIZES, TYPES, clips={})  # each group at its best clip, as the DP
     best = math.inf
 
     def rec(j: int, bits: int, err: float) -> None:
@@ -68,12 +68,13 @@ def test_dp_matches_exhaustive_search_on_random_instances():
 def _measure(coeffs: torch.Tensor, plan: Plan) -> float:
     total = 0.0
     covered = 0
+    clips = iter(plan.kept_clips())
     for start, size, t in plan.groups():
         x = coeffs[:, start : start + size].unsqueeze(1)
         if t == DROP:
             total += float(x.double().square().sum())
         else:
-            sym, sh, sc = quantize(x, t)
+            sym, sh, sc = quantize(x, t, next(clips))
             total += float((dequantize(sym, sh, sc, t) - x).double().square().sum())
         covered = start + size
     total += float(coeffs[:, covered:].double().square().sum())
@@ -109,7 +110,7 @@ def test_real_size_prediction_equals_measurement_and_budget_holds():
     errs = []
     for plan, budget in zip(plans, budgets):
         assert plan.bits_per_token <= budget
-        assert plan.bits_per_token >= 0.97 * budget  # the budget is used, not wasted
+        assert plan.bits_per_token >= 0.95 * budget  # the budget is used, not wasted (64x: 496 of 512 bits)
         assert plan.exact
         assert _measure(coeffs, plan) == pytest.approx(plan.predicted_error, rel=1e-6)
         errs.append(plan.predicted_error)

@@ -19,7 +19,8 @@ from kvtc.codec import Codec
 from kvtc.codec import nvcomp as gpu_entropy
 from kvtc.codec.entropy import BACKENDS
 from kvtc.codec.packing import pack, packed_plane_bytes
-from kvtc.quant import FP8, INT2, INT4, TYPE_BITS, dequantize, quantize
+from kvtc.codec.codec import CODED_TYPES
+from kvtc.quant import CLIPS, TYPE_BITS, clippable, dequantize, param_rows, quantize
 
 from synthetic import LowRankSource, make_slice
 
@@ -41,7 +42,7 @@ def _kernels():
     return kernels
 
 
-@pytest.mark.parametrize("qtype", [INT2, INT4, FP8])
+@pytest.mark.parametrize("qtype", CODED_TYPES)
 @pytest.mark.parametrize("size", [1, 16, 64, 256, 1024])
 @pytest.mark.parametrize("packing", ["bits", "bytes"])
 @pytest.mark.parametrize("n", [203, 4099])
@@ -55,24 +56,34 @@ def test_fused_kernels_match_reference_bit_for_bit(qtype, size, packing, n):
     order = torch.randperm(ng, generator=g)
     col0 = torch.tensor([7 + i * size for i in range(ng)], dtype=torch.int32)
     row0 = (order * size).to(torch.int32)
-    prow = (order + 1).to(torch.int32)
+    npar = param_rows(qtype)
+    prow = (order * npar + 1).to(torch.int32)  # first param row of each group (row 0 is left alone)
     nb = packed_plane_bytes(n, TYPE_BITS[qtype], packing)
     dev = torch.device("cuda")
     xd = x.to(dev)
-    params = torch.full((ng + 1, 2, n), float("nan"), dtype=torch.float16, device=dev)
+    params = torch.full((ng * npar + 2, n), float("nan"), dtype=torch.float16, device=dev)
     plane = torch.full((ng * size, nb), 0xAB, dtype=torch.uint8, device=dev)
     args = (col0.to(dev), row0.to(dev), prow.to(dev))
-    kernels.quantize_pack(xd, *args, qtype, size, params, plane, packing)
+    clips = None
+    if clippable(qtype, size):  # encoder clips per group, one of them 1
+        clips = torch.tensor(CLIPS, dtype=torch.float32)[torch.randint(len(CLIPS), (ng,), generator=g)]
+        clips[0] = 1.0
+    kernels.quantize_pack(xd, *args, qtype, size, params, plane, packing, None if clips is None else clips.to(dev))
 
     xs = torch.stack([x[:, c : c + size] for c in col0.tolist()], 1)
-    sym, sh, sc = quantize(xs, qtype)
+    sym, sh, sc = quantize(xs, qtype, 1.0 if clips is None else clips)
     ref = torch.empty(ng * size, n, dtype=torch.uint8)
     for i in range(ng):
         ref[row0[i] : row0[i] + size] = sym[:, i].T
     assert torch.equal(plane.cpu(), pack(ref, TYPE_BITS[qtype], packing))
     pr = prow.long()
-    assert torch.equal(params[pr, 0].cpu().view(torch.int16), sh.T.contiguous().view(torch.int16))
-    assert torch.equal(params[pr, 1].cpu().view(torch.int16), sc.T.contiguous().view(torch.int16))
+    if npar == 2:
+        assert torch.equal(params[pr].cpu().view(torch.int16), sh.T.contiguous().view(torch.int16))
+    assert torch.equal(params[pr + npar - 1].cpu().view(torch.int16), sc.T.contiguous().view(torch.int16))
+    untouched = torch.ones(ng * npar + 2, dtype=torch.bool)
+    for r in pr.tolist():
+        untouched[r : r + npar] = False
+    assert bool(params[untouched.to(dev)].isnan().all())  # nothing written outside the groups' rows
 
     out = torch.full((n, k), float("nan"), device=dev)
     kernels.unpack_dequantize(out, *args, qtype, size, params, plane, packing)

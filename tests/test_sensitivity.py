@@ -10,6 +10,7 @@ import torch
 
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, fit_calibration, sensitivity_scales
+from kvtc.calibration.dp import PAPER_TYPES
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
 
@@ -85,7 +86,7 @@ def test_weighted_calibration_lowers_the_weighted_error_at_the_same_bytes(cals) 
                 sum(_weighted_err(getattr(kv, kd).float().reshape(-1, P), getattr(out, kd).float().reshape(-1, P),
                                   scales[kd]) for kd in ("keys", "values")),
                 sum(float((getattr(kv, kd).double() - getattr(out, kd).double()).square().sum()) for kd in ("keys", "values")),
-                Codec.inspect(blob)["codec_ratio_before_entropy"],
+                sum(cal.plan(ratio, kd, 0).bits_per_token for kd in ("keys", "values")),  # the plans' bits
             )
         # same bit budget, and each calibration wins on the error it minimises
         assert abs(got["weighted"][2] / got["plain"][2] - 1) < 0.02, (ratio, got)
@@ -130,8 +131,8 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     back = Calibration.load(path)
     assert back.hash == weighted.hash and back.weighted
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
-    assert json.loads(_meta(path.read_bytes()))["version"] == 2
-    assert json.loads(_meta(plain.to_bytes()))["version"] == 1  # unweighted files stay readable by older kvtc
+    assert json.loads(_meta(path.read_bytes()))["version"] == (3 if weighted.extended_types else 2)
+    assert json.loads(_meta(plain.to_bytes()))["version"] == (3 if plain.extended_types else 1)
     assert weighted.stats["kv_split"]["errors"] == "relative"
 
 
@@ -147,6 +148,25 @@ def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
     meta["pca"]["keys"][0]["scaled"] = False
     with pytest.raises(CalibrationError):
         Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
+
+
+def test_file_version_is_the_lowest_that_holds_the_calibration() -> None:
+    # the paper's types: version 1 (plain) or 2 (weighted), readable by older kvtc; ours (int3, scale-only): 3
+    k, v = _rows(0)
+    scales = _scales()
+    plain = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, types=PAPER_TYPES)
+    weighted = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, types=PAPER_TYPES, feature_scale=scales)
+    ours = fit_calibration(LAYOUT, [(k, v)], ratios=(8, 16), dp_rows=512, feature_scale=scales)
+    assert not plain.extended_types and not weighted.extended_types and ours.extended_types
+    for cal, version in ((plain, 1), (weighted, 2), (ours, 3)):
+        data = cal.to_bytes()
+        assert json.loads(_meta(data))["version"] == version
+        assert Calibration.from_bytes(data).hash == cal.hash
+    # a file that claims version 2 but whose plans use version-3 types is corrupt
+    meta = json.loads(_meta(ours.to_bytes()))
+    meta["version"] = 2
+    with pytest.raises(CalibrationError, match="version-2 calibration with quantization types"):
+        Calibration.from_bytes(_with_meta(ours.to_bytes(), json.dumps(meta, sort_keys=True)))
 
 
 def test_weighted_split_sums_the_weighted_errors(cals) -> None:

@@ -53,6 +53,10 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument("--sensitivity", choices=("fisher", "none"), default="fisher",
                    help="fisher: weigh each (layer, KV head) by the loss's measured sensitivity before the PCA "
                         "and DP (default); none: the paper's plain squared error")
+    p.add_argument("--types", default="all",
+                   help="quantization types the DP may use: all (default: the paper's int2, int4, fp8 plus our int3 "
+                        "and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only: a file older kvtc "
+                        "reads), or a comma-separated list of type names")
     p.add_argument("--window", type=int, help="tokens per calibration window (default 1,024)")
     p.add_argument("--out", type=Path,
                    help="calibration file to write (default model and corpus: the cached default calibration)")
@@ -65,6 +69,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from . import assets
     from .calibration.artifact import Calibration
     from .calibration.fit import DEFAULT_RATIOS
+    from .quant import DROP, TYPE_NAMES
     from .integrations.hf_calibrate import DEFAULT_TOKENS, DEFAULT_WINDOW_TOKENS, calibrate_model, default_calibration
 
     args.tokens = args.tokens or DEFAULT_TOKENS
@@ -72,11 +77,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     args.window = args.window or DEFAULT_WINDOW_TOKENS
     is_default = _is_default_model(args.model) and args.corpus == [DEFAULT_CORPUS] and args.out is None
     t0 = time.perf_counter()
-    fit_kw = {"kv_split": args.kv_split, "sensitivity": args.sensitivity}
+    fit_kw: dict = {"kv_split": args.kv_split, "sensitivity": args.sensitivity}
     if args.value_weight is not None:
         fit_kw["value_weight"] = args.value_weight
+    if args.types != "all":
+        fit_kw["types"] = parse_types(args.types)
     if (is_default and sorted(args.ratios) == sorted(DEFAULT_RATIOS) and args.window == DEFAULT_WINDOW_TOKENS
-            and args.kv_split == "joint" and args.value_weight is None):
+            and args.kv_split == "joint" and args.value_weight is None and args.types == "all"):
         path = default_calibration(tokens=args.tokens, progress=True, sensitivity=args.sensitivity)
     else:
         if args.out is None:
@@ -98,8 +105,28 @@ def run_calibrate(args: argparse.Namespace) -> int:
           f"x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {cal.fingerprint}")
     sens = cal.corpus.get("sensitivity") or {}
     print(f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}")
+    used = sorted({TYPE_NAMES[t] for by_kind in cal.plans.values() for pls in by_kind.values() for pl in pls
+                   for _, t, _ in pl.segments if t != DROP})
+    print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
     print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def parse_types(spec: str) -> tuple[int, ...]:
+    """``all``, ``paper`` or comma-separated type names -> DP type codes."""
+    from .calibration.dp import DEFAULT_TYPES, PAPER_TYPES
+    from .quant import DROP, TYPE_CODES
+
+    if spec == "all":
+        return DEFAULT_TYPES
+    if spec == "paper":
+        return PAPER_TYPES
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in TYPE_CODES or TYPE_CODES[n] == DROP]
+    if bad or not names:
+        raise KVTCError(f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, or names from "
+                        f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}")
+    return tuple(dict.fromkeys(TYPE_CODES[n] for n in names))
 
 
 def _is_default_model(name: str) -> bool:

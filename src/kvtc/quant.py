@@ -1,24 +1,66 @@
-"""Quantizers of PCA coefficients: int2 / int4 (asymmetric min/max, KIVI-style) and fp8 E4M3.
+"""Quantizers of PCA coefficients: uniform integers (int2 / int3 / int4) and fp8 E4M3, each with per-token
+range parameters.
 
-Every kept group of ``size`` consecutive components carries, per token, a 16-bit shift and a 16-bit
-scale (IEEE half precision); those 32 bits count against the bit budget. The functions below are the
-single definition of the quantizer: the bit allocator measures its errors with them and the codec
-encodes with them, so predicted and achieved errors agree.
+Two families of range parameters, per token and kept group of ``size`` consecutive components, in IEEE half
+precision, counted against the bit budget:
+
+* **min/max** (the paper's; KIVI-style asymmetric): a shift and a scale, 32 bits. int: ``x ≈ shift + q·scale``,
+  ``q`` in ``0..2^b-1`` spanning the group's [min, max]; fp8: the shift is the range's midpoint and
+  ``scale = half-range / 448``.
+* **symmetric** (ours; types ``int2s``, ``int3s``, ``int4s``, ``fp8s``): a scale only, 16 bits. PCA coefficients
+  are centred, so the shift buys little for many groups, while its 16 bits are a large share of a small group.
+  int: ``x ≈ (q - L/2)·scale`` with ``L = 2^b - 1`` and ``scale = 2·c·max|x| / L``: with the *clip* ``c = 1``
+  the outer levels are ``±max|x|``; the encoder may clip (``c < 1``, from :data:`CLIPS`), saturating the few
+  largest values of a group to spend its levels where most values are (for a group of 64 components at 2 bits
+  this halves the error). The clip is the encoder's choice, made for each group of a plan by the DP on
+  calibration rows and kept in the plan; a decoder needs only the scale. fp8: ``x ≈ e4m3(q)·scale`` with
+  ``scale = max|x| / 448``. A group of one component in ``int2s`` (``c = 1``) stores its value to half precision
+  (the sign in the symbol) in 18 bits.
+
+int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. Which types a calibration
+may use is the DP's choice (``kvtc.calibration.dp.DEFAULT_TYPES``; the paper's set is ``PAPER_TYPES``).
+
+The functions below are the single definition of the quantizer: the bit allocator measures its errors with them
+and the codec encodes with them (the GPU kernels reproduce them bit for bit), so predicted and achieved errors
+agree.
 
 Shapes: ``x`` is ``[tokens, groups, size]`` float32; symbols come back as uint8 of the same shape
-(int2: 0..3, int4: 0..15, fp8: the E4M3 bit pattern), shift and scale as float16 ``[tokens, groups]``.
+(intB: ``0..2^B-1``, fp8: the E4M3 bit pattern), shift and scale as float16 ``[tokens, groups]`` (a symmetric
+type's shift is zero and is not stored).
 """
 
 from __future__ import annotations
 
 import torch
 
-#: quantization type codes as stored in plans and containers
-DROP, INT2, INT4, FP8 = 0, 1, 2, 3
-TYPE_NAMES = {DROP: "drop", INT2: "int2", INT4: "int4", FP8: "fp8"}
-TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8}
-#: per-token side information of a kept group: fp16 shift + fp16 scale
-PARAM_BITS = 32
+#: quantization type codes as stored in plans and containers (0-3: the paper's; 4-8: ours)
+DROP, INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S = range(9)
+TYPE_NAMES = {DROP: "drop", INT2: "int2", INT4: "int4", FP8: "fp8", INT3: "int3",
+              INT2S: "int2s", INT3S: "int3s", INT4S: "int4s", FP8S: "fp8s"}
+TYPE_CODES = {name: code for code, name in TYPE_NAMES.items()}
+TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8}
+#: scale-only types (no per-token shift)
+SYMMETRIC = frozenset({INT2S, INT3S, INT4S, FP8S})
+FP8_TYPES = frozenset({FP8, FP8S})
+INT_TYPES = frozenset({INT2, INT3, INT4, INT2S, INT3S, INT4S})
+#: bits of one per-token range parameter (fp16)
+PARAM_BITS = 16
+
+
+#: clips the DP tries for a scale-only int type (exact binary fractions: the CPU and GPU encoders compute
+#: ``max|x|·c`` with the same rounding)
+CLIPS = (1.0, 0.875, 0.75, 0.625, 0.5, 0.4375, 0.375, 0.3125, 0.25)
+
+
+def clippable(qtype: int, size: int) -> bool:
+    """Whether the encoder may clip groups of ``size`` components of ``qtype`` (scale-only int, size > 1)."""
+    return qtype in SYMMETRIC and qtype != FP8S and size > 1
+
+
+def param_rows(qtype: int) -> int:
+    """Per-token fp16 range parameters of a kept group of ``qtype``: 2 (shift, scale), 1 (scale) or 0 (drop)."""
+    return 0 if qtype == DROP else 1 if qtype in SYMMETRIC else 2
+
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _HALF_MAX = 65504.0
@@ -26,7 +68,7 @@ _HALF_MAX = 65504.0
 
 def group_bits(size: int, qtype: int) -> int:
     """Bits one token spends on a group of ``size`` components of type ``qtype`` (side info included)."""
-    return 0 if qtype == DROP else size * TYPE_BITS[qtype] + PARAM_BITS
+    return size * TYPE_BITS[qtype] + PARAM_BITS * param_rows(qtype)
 
 
 def _half_up(x: torch.Tensor) -> torch.Tensor:
@@ -38,48 +80,89 @@ def _half_up(x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def quantize(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` [tokens, groups, size] -> (symbols uint8, shift fp16, scale fp16)."""
+def quantize(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [tokens, groups, size] -> (symbols uint8, shift fp16, scale fp16). ``clip``: one value or one
+    per group (``[groups]`` float32), see the module docstring (scale-only int types only)."""
     if x.dtype != torch.float32:
         x = x.float()
+    clipped = isinstance(clip, torch.Tensor) or clip != 1.0
+    if clipped:
+        c = torch.as_tensor(clip, dtype=torch.float32)
+        if not clippable(qtype, x.shape[-1]) and bool((c != 1.0).any()):
+            raise ValueError("clips need a scale-only int type and groups of more than one component")
+        if not bool(((c > 0) & (c <= 1)).all()):
+            raise ValueError("clips must lie in (0, 1]")
     lo = x.amin(dim=-1)
     hi = x.amax(dim=-1)
-    if qtype in (INT2, INT4):
-        levels = (1 << TYPE_BITS[qtype]) - 1
+    if qtype in SYMMETRIC:
+        amp = torch.maximum(-lo, hi).clamp(min=0)
+        if clipped:
+            amp = amp * c.to(amp.device)
+        shift = torch.zeros_like(lo, dtype=torch.float16)
+        if qtype == FP8S:
+            scale = _half_up(amp / FP8_MAX)
+        else:
+            scale = _half_up((amp * 2) / ((1 << TYPE_BITS[qtype]) - 1))
+    elif qtype in INT_TYPES:
         shift = lo.clamp(-_HALF_MAX, _HALF_MAX).to(torch.float16)
-        scale = _half_up((hi - shift.float()).clamp(min=0) / levels)
-        s = scale.float().unsqueeze(-1)
-        q = torch.where(s > 0, (x - shift.float().unsqueeze(-1)) / torch.where(s > 0, s, 1.0), 0.0)
-        sym = q.round_().clamp_(0, levels).to(torch.uint8)
-        return sym, shift, scale
-    if qtype == FP8:
+        scale = _half_up((hi - shift.float()).clamp(min=0) / ((1 << TYPE_BITS[qtype]) - 1))
+    elif qtype == FP8:
         shift = ((hi + lo) * 0.5).clamp(-_HALF_MAX, _HALF_MAX).to(torch.float16)
         sh = shift.float()
         amp = torch.maximum(hi - sh, sh - lo).clamp(min=0)
         scale = _half_up(amp / FP8_MAX)
-        s = scale.float().unsqueeze(-1)
-        y = torch.where(s > 0, (x - sh.unsqueeze(-1)) / torch.where(s > 0, s, 1.0), 0.0)
+    else:
+        raise ValueError(f"cannot quantize with type {qtype}")
+    s = scale.float().unsqueeze(-1)
+    pos = s > 0
+    y = torch.where(pos, (x - shift.float().unsqueeze(-1)) / torch.where(pos, s, 1.0), 0.0)
+    if qtype in FP8_TYPES:
         sym = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         return sym, shift, scale
-    raise ValueError(f"cannot quantize with type {qtype}")
+    levels = (1 << TYPE_BITS[qtype]) - 1
+    if qtype in SYMMETRIC:
+        y = torch.where(pos, y + levels * 0.5, 0.0)
+    sym = y.round_().clamp_(0, levels).to(torch.uint8)
+    return sym, shift, scale
 
 
-def dequantize(sym: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Inverse of :func:`quantize`: float32 ``[tokens, groups, size]``."""
-    sh = shift.float().unsqueeze(-1)
+def dequantize(sym: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Inverse of :func:`quantize`: float32 ``[tokens, groups, size]`` (``shift`` is ignored, and may be
+    ``None``, for a symmetric type)."""
     sc = scale.float().unsqueeze(-1)
-    if qtype in (INT2, INT4):
-        return sym.float() * sc + sh
-    if qtype == FP8:
-        y = sym.view(torch.float8_e4m3fn).float()
-        return y * sc + sh
-    raise ValueError(f"cannot dequantize type {qtype}")
+    if qtype in FP8_TYPES:
+        val = sym.view(torch.float8_e4m3fn).float()
+    elif qtype in INT_TYPES:
+        val = sym.float()
+    else:
+        raise ValueError(f"cannot dequantize type {qtype}")
+    if qtype in SYMMETRIC:
+        if qtype != FP8S:
+            val = val - ((1 << TYPE_BITS[qtype]) - 1) * 0.5
+        return val * sc
+    return val * sc + shift.float().unsqueeze(-1)  # type: ignore[union-attr]
 
 
-def squared_error(x: torch.Tensor, qtype: int) -> torch.Tensor:
+def squared_error(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Summed squared error of quantizing each group: ``[groups]`` float64 (sums over tokens and size)."""
     if qtype == DROP:
         return x.double().square().sum(dim=(0, 2))
-    sym, shift, scale = quantize(x, qtype)
+    sym, shift, scale = quantize(x, qtype, clip)
     err = (dequantize(sym, shift, scale, qtype) - x).double()
     return err.square().sum(dim=(0, 2))
+
+
+def best_clips(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each group of ``x`` [tokens, groups, size]: the clip of :data:`CLIPS` with the least summed squared
+    error, and that error (``[groups]`` float32 clips, float64 errors; all 1.0 when the type cannot clip)."""
+    errs = squared_error(x, qtype)
+    clips = torch.ones(x.shape[1], dtype=torch.float32)
+    if not clippable(qtype, x.shape[-1]):
+        return clips, errs
+    for c in CLIPS[1:]:
+        e = squared_error(x, qtype, c)
+        better = e < errs
+        errs = torch.where(better, e, errs)
+        clips[better] = c
+    return clips, errs

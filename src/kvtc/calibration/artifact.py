@@ -32,14 +32,19 @@ from .. import __version__
 from ..fileio import write_atomic
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..layout import KVLayout, PCAGrouping
+from ..quant import DROP, FP8, INT2, INT4
 from .dp import Plan
 from .pca import PCAResult
 
 FORMAT_NAME = "kvtc-calibration"
 #: version 1: unweighted; version 2: some PCA group carries a feature scale (a version-1 reader must refuse it:
-#: ignoring the scale would decode garbage). Files without scales are still written as version 1.
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: ignoring the scale would decode garbage); version 3: some plan uses a quantization type beyond the paper's
+#: (int3 or a scale-only type, codes 4-8; an older reader refuses the file by its version instead of failing on
+#: an unknown type). A file is written with the lowest version that can hold it.
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+#: type codes a version-1 or version-2 file may use
+_V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 KINDS = ("keys", "values")
 #: bound on the JSON metadata we are willing to parse
 MAX_META_BYTES = 64 << 20
@@ -156,6 +161,12 @@ class Calibration:
         """True when the PCA was fitted on sensitivity-weighted rows (feature scales stored)."""
         return any(p.scale is not None for kind in KINDS for p in self.pcas[kind])
 
+    @property
+    def extended_types(self) -> bool:
+        """True when some plan uses a quantization type beyond the paper's (format version 3)."""
+        return any(t not in _V2_TYPES for by_kind in self.plans.values() for kind in KINDS for pl in by_kind[kind]
+                   for _, t, _ in pl.segments)
+
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
         if not self.weighted:
@@ -177,7 +188,7 @@ class Calibration:
                     info["scaled"] = p.scale is not None
         return {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION if self.weighted else 1,
+            "version": 3 if self.extended_types else 2 if self.weighted else 1,
             "library_version": self.library_version,
             "layout": self.layout.to_dict(),
             "grouping": self.grouping.to_dict(),
@@ -309,6 +320,9 @@ class Calibration:
             if isinstance(e, CalibrationError):
                 raise
             raise CalibrationError(f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`") from None
+        if cal.extended_types and meta.get("version", 0) < 3:
+            raise CalibrationError(f"{source}: a version-{meta.get('version')} calibration with quantization types "
+                                   "of version 3; the file is corrupt")
         if cal.hash != meta.get("hash"):
             raise CalibrationError(
                 f"{source}: content hash mismatch (file corrupt or edited); recreate it with `kvtc calibrate`"

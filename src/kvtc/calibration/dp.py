@@ -1,8 +1,9 @@
 """Bit allocation by dynamic programming (KVTC §3, ALGORITHM.md step 5).
 
 The components of a PCA basis are walked in order and cut into consecutive *groups*; each group gets a
-size from ``sizes`` and a type from {dropped, int2, int4, fp8}. A kept group costs
-``size * bits(type) + 32`` bits per token (the fp16 shift and scale count). The objective is the squared
+size from ``sizes`` and a type from ``types`` (the paper's: dropped, int2, int4, fp8; by default also ours: int3
+and the scale-only int2s/int3s/int4s/fp8s, see :mod:`kvtc.quant`). A kept group costs
+``size * bits(type) + 16 * params(type)`` bits per token (its fp16 shift and scale, or scale alone, count). The objective is the squared
 error *measured* by running the real quantizer (:mod:`kvtc.quant`) on calibration coefficient rows,
 not an analytic model. Because the basis is orthonormal, that error equals the error in feature space
 (plus the energy of components beyond the basis' rank, a constant for a given basis).
@@ -26,12 +27,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..quant import DROP, FP8, INT2, INT4, TYPE_NAMES, group_bits, squared_error
+from ..quant import (DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S, TYPE_NAMES, best_clips, clippable,
+                     group_bits, squared_error)
 from ..errors import CalibrationError
 
 #: the paper's group sizes and quantization types
 DEFAULT_SIZES: tuple[int, ...] = (1, 16, 64, 256, 1024)
-DEFAULT_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
+PAPER_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
+#: the default adds int3 and the scale-only types (ours): on SmolLM2 the DP's measured error at the same
+#: bits falls by about a fifth at 7-8x (BENCHMARKS.md, "Quantization types")
+DEFAULT_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S)
 #: calibration rows on which errors are measured (ALGORITHM.md: 1,024 rows)
 DEFAULT_DP_ROWS = 1024
 #: widest budget axis before costs are coarsened
@@ -46,6 +51,9 @@ class Plan:
 
     ``predicted_error`` is the DP's summed squared error on its ``rows`` calibration rows (PCA space,
     components beyond the basis excluded).
+
+    ``clips`` (ours): the encoder's clip of each *kept* group in component order (see :mod:`kvtc.quant`; below 1
+    only for scale-only int groups of more than one component); empty means 1 for every group.
     """
 
     segments: tuple[tuple[int, int, int], ...]
@@ -53,6 +61,12 @@ class Plan:
     rows: int = 0
     exact: bool = True
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    clips: tuple[float, ...] = ()
+
+    def kept_clips(self) -> list[float]:
+        """The clip of every kept group, in component order."""
+        n = sum(rep for _, t, rep in self.segments if t != DROP)
+        return list(self.clips) if self.clips else [1.0] * n
 
     def groups(self) -> list[tuple[int, int, int]]:
         """Expanded ``(start, size, type)`` of every group, dropped ones included."""
@@ -87,12 +101,15 @@ class Plan:
         return counts
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "segments": [list(s) for s in self.segments],
             "predicted_error": self.predicted_error,
             "rows": self.rows,
             "exact": self.exact,
         }
+        if self.clips:
+            d["clips"] = list(self.clips)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, num_components: int) -> Plan:
@@ -103,6 +120,7 @@ class Plan:
                 predicted_error=float(d["predicted_error"]),
                 rows=int(d["rows"]),
                 exact=bool(d["exact"]),
+                clips=tuple(float(c) for c in d.get("clips", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationError(f"malformed bit plan: {e!r}; recalibrate with `kvtc calibrate`") from None
@@ -115,6 +133,11 @@ class Plan:
             )
         if any(start % size for start, size, _ in plan.groups()):
             raise CalibrationError("bit plan has an unaligned group; the file is corrupt")
+        if plan.clips:
+            kept = [(size, t) for _, size, t in plan.groups() if t != DROP]
+            if len(plan.clips) != len(kept) or any(
+                    not 0.0 < c <= 1.0 or (c != 1.0 and not clippable(t, size)) for c, (size, t) in zip(plan.clips, kept)):
+                raise CalibrationError("bit plan has clips that do not fit its groups; the file is corrupt")
         return plan
 
 
@@ -133,12 +156,15 @@ def _run_length(groups: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int]
 
 
 def candidate_errors(
-    coeffs: torch.Tensor, sizes: Sequence[int] = DEFAULT_SIZES, types: Sequence[int] = DEFAULT_TYPES
+    coeffs: torch.Tensor, sizes: Sequence[int] = DEFAULT_SIZES, types: Sequence[int] = DEFAULT_TYPES,
+    clips: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
     """Measured errors of every candidate group.
 
     ``coeffs``: ``[rows, k]`` PCA coefficients. Returns the per-component error of dropping ``[k]`` and,
-    per ``(size, type)``, the error of each aligned group ``[k // size]`` (float64).
+    per ``(size, type)``, the error of each aligned group ``[k // size]`` (float64). With ``clips`` (a dict to
+    fill), a clippable candidate gets its best clip per aligned group (:func:`kvtc.quant.best_clips`), recorded
+    there, and the error at that clip; without, every group is measured unclipped.
     """
     if coeffs.dim() != 2:
         raise CalibrationError(f"coefficient rows must be [rows, k], got {tuple(coeffs.shape)}")
@@ -152,7 +178,10 @@ def candidate_errors(
             continue
         x = coeffs[:, : m * g].reshape(n, m, g)
         for t in types:
-            errs[(g, t)] = squared_error(x, t)
+            if clips is not None and clippable(t, g):
+                clips[(g, t)], errs[(g, t)] = best_clips(x, t)
+            else:
+                errs[(g, t)] = squared_error(x, t)
     return drop, errs
 
 
@@ -240,6 +269,7 @@ class ErrorCurve:
     cands: list[tuple[int, int, int]] = field(repr=False)
     unit: int
     rows: int
+    clips: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def units(self, budget_bits: float) -> int:
         return int(min(budget_bits // self.unit, self.best.size - 1))
@@ -250,8 +280,15 @@ class ErrorCurve:
     def plan(self, budget_bits: float, **meta: Any) -> Plan:
         b = int(self.at[self.units(budget_bits)])
         groups = _backtrack(self.choice, self.cands, b)
-        return Plan(_run_length(groups), float(self.best[self.units(budget_bits)]), self.rows,
-                    exact=self.unit == 2, meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta})
+        segments = _run_length(groups)
+        clips, start = [], 0
+        for g, t in groups:
+            if t != DROP:
+                clips.append(float(self.clips[(g, t)][start // g]) if (g, t) in self.clips else 1.0)
+            start += g
+        return Plan(segments, float(self.best[self.units(budget_bits)]), self.rows,
+                    exact=self.unit == 2, meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta},
+                    clips=tuple(clips) if any(c != 1.0 for c in clips) else ())
 
 
 def error_curve(
@@ -263,13 +300,14 @@ def error_curve(
 ) -> ErrorCurve:
     """Solve the DP once for budgets up to ``max_budget_bits`` (see :class:`ErrorCurve`)."""
     _check(coeffs, sizes)
-    drop, errs = candidate_errors(coeffs, sizes, types)
+    clips: dict[tuple[int, int], torch.Tensor] = {}
+    drop, errs = candidate_errors(coeffs, sizes, types, clips)
     last, choice, cands, unit = _solve(drop, errs, max_budget_bits, max_columns)
     best = np.minimum.accumulate(last)
     # first unit count reaching each new minimum (ties: fewer bits)
     prev = np.concatenate([[np.inf], best[:-1]])
     at = np.maximum.accumulate(np.where(last < prev, np.arange(last.size), 0))
-    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]))
+    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]), clips)
 
 
 def split_budget(

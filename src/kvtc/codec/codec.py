@@ -7,8 +7,9 @@ at a time so an engine can start on layer 0 before the rest is reconstructed.
 
 Sections of a ``kvtc`` blob, in order: ``positions`` (int64 ``[B, T]``), ``raw.keys`` and ``raw.values``
 (protected tokens ``[B, s+w, L, H, D]`` in the slice dtype), then for ``kind`` in keys, values and PCA group
-``g``: ``{kind}.{g}.params`` (fp16 ``[kept groups, 2, N]``: shift then scale, one row of N tokens each) and
-``{kind}.{g}.{int2|int4|fp8}`` (packed planes, component order) for each type the plan uses.
+``g``: ``{kind}.{g}.params`` (fp16 ``[R, N]``: each kept group's per-token range parameters in plan order, a
+row of N tokens each: shift then scale, or the scale alone for a scale-only type) and ``{kind}.{g}.{type}``
+(packed planes, component order) for each type the plan uses, in :data:`CODED_TYPES` order.
 An ``identity`` blob stores every token in ``raw.*`` and needs no calibration.
 """
 
@@ -32,12 +33,14 @@ from . import nvcomp as gpu_entropy
 from .entropy import DEFAULT_BACKEND, Precoded, get_backend
 from .. import kernels
 from .packing import PACKINGS, pack, packed_plane_bytes, unpack
-from ..quant import DROP, FP8, INT2, INT4, TYPE_BITS, TYPE_NAMES, dequantize, quantize
+from ..quant import (DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S, TYPE_BITS, TYPE_NAMES, dequantize,
+                     param_rows, quantize)
 
 #: the paper's protected tokens: 4 attention sinks, 128 most recent tokens
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 128
-CODED_TYPES = (INT2, INT4, FP8)
+#: stream order in a blob (the paper's types first: a blob that uses only them is laid out as before ours existed)
+CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S)
 #: projection arithmetic on CUDA: "fp32" (the reference's, no TF32), "bf16" (tensor cores, fp32 accumulate) or
 #: "fp8" (E4M3 operands with per-row and per-column float32 scales, fp32 accumulate: twice bf16's rate on Hopper;
 #: adds about 1e-3 relative squared error to the projection). The CPU path always computes in fp32.
@@ -52,7 +55,16 @@ class _Bucket:
     size: int
     columns: torch.Tensor  # [n, size] component indices
     plane_rows: torch.Tensor  # [n * size] rows of the type's plane, component-major
-    param_rows: torch.Tensor  # [n] rows of the params stream
+    param_rows: torch.Tensor  # [n] first row of each group in the params stream (its shift, or its scale)
+    clips: torch.Tensor | None = None  # [n] float32 encoder clips (None: all 1)
+
+    def device_clips(self, device: torch.device) -> torch.Tensor | None:
+        if self.clips is None:
+            return None
+        cache = self.__dict__.setdefault("_clips", {})
+        if str(device) not in cache:
+            cache[str(device)] = self.clips.to(device).contiguous()
+        return cache[str(device)]
 
     def starts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """int32 (first column, first plane row, params row) of each group, for the fused kernels."""
@@ -69,6 +81,7 @@ class _PlanLayout:
     plan: Plan
     components: int  # basis rows the plan uses
     kept_groups: int
+    param_rows: int  # rows of the params stream
     plane_sizes: dict[int, int]  # type -> components in its plane
     buckets: list[_Bucket]
 
@@ -77,22 +90,29 @@ class _PlanLayout:
         kept = [(start, size, t) for start, size, t in plan.groups() if t != DROP]
         plane_sizes = {t: 0 for t in CODED_TYPES}
         plane_row_of: list[int] = []
+        param_row_of: list[int] = []
+        prows = 0
         for _, size, t in kept:
             plane_row_of.append(plane_sizes[t])
             plane_sizes[t] += size
+            param_row_of.append(prows)
+            prows += param_rows(t)
         by: dict[tuple[int, int], list[int]] = {}
         for gi, (_, size, t) in enumerate(kept):
             by.setdefault((t, size), []).append(gi)
+        clips = plan.kept_clips()
         buckets = []
         for (t, size), gis in sorted(by.items()):
+            cl = torch.tensor([clips[g] for g in gis], dtype=torch.float32)
             starts = torch.tensor([kept[g][0] for g in gis], dtype=torch.int64)
             offs = torch.arange(size, dtype=torch.int64)
             rows0 = torch.tensor([plane_row_of[g] for g in gis], dtype=torch.int64)
             buckets.append(
                 _Bucket(t, size, starts[:, None] + offs, (rows0[:, None] + offs).reshape(-1),
-                        torch.tensor(gis, dtype=torch.int64))
+                        torch.tensor([param_row_of[g] for g in gis], dtype=torch.int64),
+                        cl if bool((cl != 1.0).any()) else None)
             )
-        return cls(plan, plan.kept_components, len(kept), {t: n for t, n in plane_sizes.items() if n}, buckets)
+        return cls(plan, plan.kept_components, len(kept), prows, {t: n for t, n in plane_sizes.items() if n}, buckets)
 
 
 class Codec:
@@ -333,23 +353,27 @@ class Codec:
                 coeffs = self._project(x, mean, basis, fp8)
             if self._fused:
                 with clock("quantize"):
-                    params = torch.empty((pl.kept_groups, 2, n), dtype=torch.float16, device=rows.device)
+                    params = torch.empty((pl.param_rows, n), dtype=torch.float16, device=rows.device)
                     planes = {t: torch.empty((c, packed_plane_bytes(n, TYPE_BITS[t], self.packing)), dtype=torch.uint8,
                                              device=rows.device) for t, c in pl.plane_sizes.items()}
                     for b in pl.buckets:
                         kernels.quantize_pack(coeffs, *b.starts(rows.device), b.qtype, b.size, params,
-                                              planes[b.qtype], self.packing)
+                                              planes[b.qtype], self.packing, b.device_clips(rows.device))
                 out.append((f"{kind}.{g}.params", params.view(torch.uint8).reshape(-1)))
                 out.extend((f"{kind}.{g}.{TYPE_NAMES[t]}", planes[t].reshape(-1)) for t in CODED_TYPES if t in planes)
                 continue
             with clock("quantize"):
-                params = torch.empty((pl.kept_groups, 2, n), dtype=torch.float16, device=rows.device)
+                params = torch.empty((pl.param_rows, n), dtype=torch.float16, device=rows.device)
                 planes = {t: torch.empty((c, n), dtype=torch.uint8, device=rows.device) for t, c in pl.plane_sizes.items()}
                 for b in pl.buckets:
                     x = coeffs[:, b.columns.to(rows.device)]  # [n, groups, size]
-                    sym, shift, scale = quantize(x, b.qtype)
-                    params[b.param_rows.to(rows.device), 0] = shift.T
-                    params[b.param_rows.to(rows.device), 1] = scale.T
+                    sym, shift, scale = quantize(x, b.qtype, 1.0 if b.clips is None else b.clips)
+                    pr = b.param_rows.to(rows.device)
+                    if param_rows(b.qtype) == 2:
+                        params[pr] = shift.T
+                        params[pr + 1] = scale.T
+                    else:
+                        params[pr] = scale.T
                     planes[b.qtype][b.plane_rows.to(rows.device)] = sym.permute(1, 2, 0).reshape(-1, n)
             with clock("pack"):
                 out.append((f"{kind}.{g}.params", _le_bytes(params)))
@@ -399,7 +423,7 @@ class Codec:
             plans = {kind: [_PlanLayout.build(p) for p in self.calibration.plans[h.ratio][kind]] for kind in KINDS}  # type: ignore[union-attr,index]
             for kind in KINDS:
                 for g, pl in enumerate(plans[kind]):
-                    exp[f"{kind}.{g}.params"] = pl.kept_groups * 2 * n * 2
+                    exp[f"{kind}.{g}.params"] = pl.param_rows * n * 2
                     for t in CODED_TYPES:
                         if t in pl.plane_sizes:
                             exp[f"{kind}.{g}.{TYPE_NAMES[t]}"] = pl.plane_sizes[t] * packed_plane_bytes(n, TYPE_BITS[t], h.packing)
@@ -453,7 +477,7 @@ class Codec:
         pl = _PlanLayout.build(self.calibration.plans[header.ratio][kind][g])  # type: ignore[union-attr,index]
         if self._fused:
             with clock("unpack"):
-                params = _section(secs[f"{kind}.{g}.params"], torch.float16, (pl.kept_groups, 2, n), self.device)
+                params = _section(secs[f"{kind}.{g}.params"], torch.float16, (pl.param_rows, n), self.device)
                 planes = {t: _section(secs[f"{kind}.{g}.{TYPE_NAMES[t]}"], torch.uint8,
                                       (c, packed_plane_bytes(n, TYPE_BITS[t], header.packing)), self.device)
                           for t, c in pl.plane_sizes.items()}
@@ -467,7 +491,7 @@ class Codec:
                                               planes[b.qtype], header.packing)
             return coeffs, pl
         with clock("unpack"):
-            params = _from_le(secs[f"{kind}.{g}.params"], torch.float16, (pl.kept_groups, 2, n)).to(self.device)
+            params = _from_le(secs[f"{kind}.{g}.params"], torch.float16, (pl.param_rows, n)).to(self.device)
             planes = {}
             for t, c in pl.plane_sizes.items():
                 per = packed_plane_bytes(n, TYPE_BITS[t], header.packing)
@@ -478,7 +502,10 @@ class Codec:
             for b in pl.buckets:
                 sym = planes[b.qtype][b.plane_rows.to(self.device)].reshape(-1, b.size, n).permute(2, 0, 1)
                 pr = b.param_rows.to(self.device)
-                vals = dequantize(sym, params[pr, 0].T, params[pr, 1].T, b.qtype)
+                if param_rows(b.qtype) == 2:
+                    vals = dequantize(sym, params[pr].T, params[pr + 1].T, b.qtype)
+                else:
+                    vals = dequantize(sym, None, params[pr].T, b.qtype)
                 coeffs[:, b.columns.to(self.device)] = vals
         return coeffs, pl
 

@@ -1,8 +1,9 @@
 """A greedy bit allocator: the ablation that shows what the dynamic program of :mod:`kvtc.calibration.dp` buys.
 
 Not used by the library. For one fixed group size, every aligned group starts dropped; the allocator
-repeatedly takes the single upgrade (dropped → int2 → int4 → fp8 of one group) with the largest measured
-error reduction per extra bit that still fits the budget, until none fits. The errors are the same
+repeatedly takes the single upgrade of one group (to the next type in order of cost, e.g. dropped → int2 → int4
+→ fp8, skipping a type that does not lower the error) with the largest measured error reduction per extra bit
+that still fits the budget, until none fits. The errors are the same
 measured ones the DP uses (:func:`~kvtc.calibration.dp.candidate_errors`, i.e. the real quantizer on
 calibration coefficients). It is run for each group size in ``sizes`` and the least-error plan is kept.
 """
@@ -10,12 +11,13 @@ calibration coefficients). It is run for each group size in ``sizes`` and the le
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+import math
+from typing import Callable, Sequence
 
 import torch
 
 from ..calibration import Calibration, Plan, budget_for_ratio, ratio_key
-from ..calibration.dp import DEFAULT_TYPES, candidate_errors
+from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES, allocate, candidate_errors
 from ..quant import DROP, group_bits
 
 #: group sizes the greedy allocator tries (each on its own)
@@ -35,8 +37,9 @@ def greedy_allocate(
         m = k // g
         if m == 0:
             continue
-        levels = [drop[: m * g].view(m, g).sum(1)] + [errs[(g, t)].double() for t in types]
-        costs = [0] + [group_bits(g, t) for t in types]
+        ladder = sorted(types, key=lambda t: group_bits(g, t))  # rising costs
+        levels = [drop[: m * g].view(m, g).sum(1)] + [errs[(g, t)].double() for t in ladder]
+        costs = [0] + [group_bits(g, t) for t in ladder]
         level = [0] * m
         spent = 0
         heap: list[tuple[float, int, int]] = []
@@ -47,7 +50,8 @@ def greedy_allocate(
             for nxt in range(lv + 1, len(levels)):
                 gain = float(levels[lv][i] - levels[nxt][i])
                 if gain > 0:
-                    heapq.heappush(heap, (-gain / (costs[nxt] - costs[lv]), i, nxt))
+                    extra = costs[nxt] - costs[lv]  # 0 for a tie (int2 and int3s of 16 components): a free gain
+                    heapq.heappush(heap, (-gain / extra if extra > 0 else -math.inf, i, nxt))
                     return
 
         for i in range(m):
@@ -61,7 +65,7 @@ def greedy_allocate(
             level[i] = nxt
             push(i)
         error = sum(float(levels[level[i]][i]) for i in range(m)) + float(drop[m * g :].sum())
-        groups = [(g, DROP if lv == 0 else types[lv - 1]) for lv in level]
+        groups = [(g, DROP if lv == 0 else ladder[lv - 1]) for lv in level]
         while groups and groups[-1][1] == DROP:
             groups.pop()
         segments: list[list[int]] = []
@@ -84,6 +88,24 @@ def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tens
     """``calibration``'s bases with greedy plans for ``ratios``, measured on up to ``max_rows`` of ``rows``
     (``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded). Each kind gets the bits the
     calibration's DP plan spends on it, so the ablation compares allocators at the same K/V split."""
+    return replan(calibration, rows, ratios, greedy_allocate, "greedy", max_rows, seed)
+
+
+def paper_types_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                            ratios: Sequence[float], max_rows: int = 1024, seed: int = 0) -> Calibration:
+    """``calibration``'s bases with DP plans restricted to the paper's quantization types (int2, int4, fp8 with
+    min/max parameters), at the same bits per kind: the ablation of our int3 and scale-only types."""
+    def dp_paper(coeffs: torch.Tensor, budget: float) -> Plan:
+        return allocate(coeffs, budget, types=PAPER_TYPES)
+
+    return replan(calibration, rows, ratios, dp_paper, "dp-paper-types", max_rows, seed)
+
+
+def replan(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]], ratios: Sequence[float],
+           allocator: Callable[[torch.Tensor, float], Plan], name: str, max_rows: int = 1024,
+           seed: int = 0) -> Calibration:
+    """``calibration``'s bases with plans from ``allocator(coeffs, budget_bits)`` for ``ratios``, each kind given
+    the bits the calibration's own plan spends on it (or the equal share where it has none)."""
     keys = torch.cat([k for k, _ in rows])
     values = torch.cat([v for _, v in rows])
     gen = torch.Generator().manual_seed(seed)
@@ -97,10 +119,10 @@ def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tens
             mean, basis = pca.coder_basis(decode=False)
             coeffs = (x[:, cols] - mean) @ basis.T
             for r in ratios:
-                # the DP plan's own bits for this kind (after its K/V split), or the equal share without one
-                dp_plan = calibration.plans.get(ratio_key(r), {}).get(kind)
-                budget = dp_plan[g].bits_per_token if dp_plan else budget_for_ratio(cols.numel(), r)
-                plans[ratio_key(r)][kind].append(greedy_allocate(coeffs, budget))
+                # the calibration's own plan's bits for this kind (after its K/V split), or the equal share
+                own = calibration.plans.get(ratio_key(r), {}).get(kind)
+                budget = own[g].bits_per_token if own else budget_for_ratio(cols.numel(), r)
+                plans[ratio_key(r)][kind].append(allocator(coeffs, budget))
     return Calibration(calibration.layout, calibration.grouping, calibration.pcas, plans, calibration.rope,
-                       calibration.model_id, dict(calibration.corpus, allocator="greedy"),
+                       calibration.model_id, dict(calibration.corpus, allocator=name),
                        dict(calibration.stats))

@@ -71,17 +71,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"allocation measured on 1,024 of those rows; *without entropy coding* is the same codec with the "
             "bit-packed planes stored as they are"
             + ("; *without sensitivity weighting* is the default recipe (same corpus and tokens) fitting the "
-               "paper's plain squared error instead of the Fisher-weighted one." if a.get("unweighted") else ".")
+               "paper's plain squared error instead of the Fisher-weighted one" if a.get("unweighted") else "")
+            + ("; *paper's types* keeps kvtc's basis and each kind's bits and re-runs the DP with the paper's "
+               "quantization types only (int2, int4, fp8 with min/max parameters; no int3, no scale-only types), "
+               "on the same 1,024 rows." if "paper_types_fit_s" in a or a.get("cached") else ".")
         )
         gains = result.get("acceptance", {}).get("ablations", {})
         if gains:
             lines.append("")
             weighted = any(g.get("unweighted_delta_ppl_pct") is not None for g in gains.values())
+            paper = any(g.get("paper_types_delta_ppl_pct") is not None for g in gains.values())
             head = "| target | kvtc (global PCA, DP, entropy) | per-layer PCA | greedy allocator | entropy-coding gain |"
             if weighted:
                 head += " without sensitivity weighting (KL: weighted → unweighted) |"
+            if paper:
+                head += " paper's quantization types (ratio; KL: ours → paper's) |"
             lines.append(head)
-            lines.append("|---|---|---|---|---|" + ("---|" if weighted else ""))
+            lines.append("|---|---|---|---|---|" + ("---|" if weighted else "") + ("---|" if paper else ""))
             for t, g in gains.items():
                 line = (f"| {t} | {_pct(g['global_delta_ppl_pct'])} | {_pct(g['per_layer_delta_ppl_pct'])} | "
                         f"{_pct(g['greedy_delta_ppl_pct'])} | ×{g['entropy_gain']:.3f} bytes saved |")
@@ -89,6 +95,10 @@ def markdown(result: dict[str, Any]) -> str:
                     uw = g.get("unweighted_delta_ppl_pct")
                     line += (f" {_pct(uw)} (KL {_f(g.get('global_kl'))} → {_f(g.get('unweighted_kl'))}) |"
                              if uw is not None else " |")
+                if paper:
+                    pt = g.get("paper_types_delta_ppl_pct")
+                    line += (f" {_pct(pt)} ({g['paper_types_ratio']:.2f}×; KL {_f(g.get('global_kl'))} → "
+                             f"{_f(g.get('paper_types_kl'))}) |" if pt is not None else " |")
                 lines.append(line)
     if result.get("conversation"):
         lines.append("")

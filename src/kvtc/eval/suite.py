@@ -18,7 +18,7 @@ import torch
 from .. import __version__, assets
 from ..calibration import Calibration, fit_calibration
 from ..layout import PCAGrouping
-from .greedy import greedy_calibration
+from .greedy import greedy_calibration, paper_types_calibration
 from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer, peer_available
 from .protocols import HAYSTACKS, PASSKEY_FILLER, Tally, conversation, passkey_prompts, retrieval, storage_roundtrip
 
@@ -27,7 +27,8 @@ DEFAULT_TEXTS = "wikipedia"
 DEFAULT_CONTEXT = 2048
 DEFAULT_CONTINUATION = 256
 DEFAULT_WINDOWS = 8
-#: tokens of calibration rows collected for the ablation calibrations (per-layer PCA, greedy allocator)
+#: tokens of calibration rows collected for the ablation calibrations (per-layer PCA, greedy allocator, the
+#: paper's quantization types)
 DEFAULT_ABLATION_TOKENS = 16_320
 DEFAULT_RETRIEVAL_LENGTHS = (1024, 2048, 4096)
 DEFAULT_RETRIEVAL_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -121,7 +122,8 @@ def _load_calibration(cfg: EvalConfig) -> tuple[Calibration, str]:
 
 
 def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibration) -> tuple[dict[str, Calibration], dict[str, Any]]:
-    """Per-layer-PCA and greedy-allocator calibrations, fitted on the same freshly collected rows (cached)."""
+    """Per-layer-PCA, greedy-allocator and paper's-types calibrations, fitted on the same freshly collected rows
+    (cached)."""
     from ..integrations.hf import describe_model
     from ..integrations.hf_calibrate import collect_rows
 
@@ -129,7 +131,8 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
     tag = f"{cal.fingerprint[:12]}-{cfg.ablation_tokens}-{'-'.join(format(r, 'g') for r in ratios)}"
     root = assets.cache_dir() / "calibrations"
     paths = {"per-layer": root / f"eval-ablation-perlayer-{tag}.safetensors",
-             "greedy": root / f"eval-ablation-greedy-{tag}.safetensors"}
+             "greedy": root / f"eval-ablation-greedy-{tag}.safetensors",
+             "paper-types": root / f"eval-ablation-papertypes-{tag}.safetensors"}
     info: dict[str, Any] = {"tokens": cfg.ablation_tokens, "corpus": "sotu-pre2000", "cached": False}
     t0 = time.perf_counter()
     if all(p.is_file() for p in paths.values()):
@@ -152,8 +155,12 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
     _say(cfg, "greedy bit plans on the default basis")
     greedy = greedy_calibration(cal, rows, ratios)
     info["greedy_fit_s"] = round(time.perf_counter() - t1, 1)
+    t1 = time.perf_counter()
+    _say(cfg, "bit plans with the paper's quantization types on the default basis")
+    paper = paper_types_calibration(cal, rows, ratios)
+    info["paper_types_fit_s"] = round(time.perf_counter() - t1, 1)
     del rows
-    out = {"per-layer": per_layer, "greedy": greedy}
+    out = {"per-layer": per_layer, "greedy": greedy, "paper-types": paper}
     for k, p in paths.items():
         out[k].save(p)
     return out, info
@@ -250,6 +257,9 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
                          label=f"kvtc per-layer PCA {r:g}x") for r in cfg.ablation_ratios]
         methods += [KVTC(abl["greedy"], r, name="kvtc-greedy", label=f"kvtc greedy allocator {r:g}x")
                     for r in cfg.ablation_ratios]
+        if cal.extended_types:
+            methods += [KVTC(abl["paper-types"], r, name="kvtc-paper-types",
+                             label=f"kvtc with the paper's quantization types {r:g}x") for r in cfg.ablation_ratios]
         if cfg.calibration is None and cal.weighted:
             # the default recipe without sensitivity weighting (the paper's plain squared error), same rows
             from ..integrations.hf_calibrate import default_calibration
@@ -404,12 +414,16 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
         g, p = kvtc_at(float(target)), rows.get(f"kvtc per-layer PCA {target:g}x")
         gr = rows.get(f"kvtc greedy allocator {target:g}x")
         uw = rows.get(f"kvtc without sensitivity weighting {target:g}x")
+        pt = rows.get(f"kvtc with the paper's quantization types {target:g}x")
         if g and p:
             gains[f"{target:g}x"] = {"global_delta_ppl_pct": g["delta_ppl_pct"], "global_kl": g.get("kl"),
                                      "per_layer_delta_ppl_pct": p["delta_ppl_pct"],
                                      "greedy_delta_ppl_pct": gr["delta_ppl_pct"] if gr else None,
                                      "unweighted_delta_ppl_pct": uw["delta_ppl_pct"] if uw else None,
                                      "unweighted_kl": uw.get("kl") if uw else None,
+                                     "paper_types_delta_ppl_pct": pt["delta_ppl_pct"] if pt else None,
+                                     "paper_types_kl": pt.get("kl") if pt else None,
+                                     "paper_types_ratio": pt["ratio"] if pt else None,
                                      "entropy_gain": g["ratio"] / g["ratio_before_entropy"]}
     if gains:
         checks["ablations"] = gains

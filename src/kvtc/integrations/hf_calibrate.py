@@ -31,8 +31,8 @@ DEFAULT_TOKENS = 100_000
 #: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting); a
 #: new recipe is a new file. r4: Fisher-weighted per feature (each kind normalised apart); r2: the same without
 #: weighting (``sensitivity="none"``)
-DEFAULT_RECIPE = "r4"
-UNWEIGHTED_RECIPE = "r2"
+DEFAULT_RECIPE = "r6"
+UNWEIGHTED_RECIPE = "r6u"
 #: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
 #: squared error)
 SENSITIVITIES = ("fisher", "none")

@@ -11,7 +11,8 @@ A *bucket* is every kept group of one (type, size) in a plan. One program handle
 chunks when they are large). Shapes:
 
 * ``coeffs`` ``[n, k]`` (row-major, tokens by PCA components), float32 or bfloat16;
-* ``params`` ``[kept groups, 2, n]`` float16: shift row then scale row of each kept group;
+* ``params`` ``[rows, n]`` float16: each kept group's shift row then scale row, or its scale row alone for a
+  scale-only type (``prow`` gives the group's first row);
 * ``plane`` ``[components of the type, bytes per plane]`` uint8, component-major, tokens packed low bits
   first (``per`` symbols a byte), each plane padded with zero symbols to a whole byte.
 """
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import FP8, FP8_MAX, INT2, INT4, TYPE_BITS
+from ..quant import FP8, FP8_MAX, FP8_TYPES, INT2, INT4, SYMMETRIC, TYPE_BITS
 
 _HALF_MAX = 65504.0
 BLOCK_T = 64
@@ -57,8 +58,9 @@ def _half_up(v):
 def _quantize_pack_kernel(
     x_ptr, stride_x, n,
     col0_ptr, row0_ptr, prow_ptr, ngroups,
-    params_ptr, plane_ptr, plane_bytes,
-    IS_FP8: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    params_ptr, plane_ptr, plane_bytes, clip_ptr,
+    IS_FP8: tl.constexpr, SYM: tl.constexpr, HAS_CLIP: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
+    PER: tl.constexpr,
     G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
@@ -82,7 +84,16 @@ def _quantize_pack_kernel(
         lo = tl.minimum(lo, tl.min(v, axis=2))
         hi = tl.maximum(hi, tl.max(v, axis=2))
 
-    if IS_FP8:
+    if SYM:
+        sh = tl.zeros((BLOCK_T, GPB), tl.float32)
+        amp = tl.maximum(tl.maximum(-lo, hi), 0.0)
+        if HAS_CLIP:
+            amp = amp * tl.load(clip_ptr + gi, mask=gmask, other=1.0)[None, :]
+        if IS_FP8:
+            scale = _half_up(_div_rn(amp, 448.0))
+        else:
+            scale = _half_up(_div_rn(amp * 2.0, LEVELS * 1.0))
+    elif IS_FP8:
         shift = (tl.minimum(tl.maximum((hi + lo) * 0.5, -65504.0), 65504.0)).to(tl.float16)
         sh = shift.to(tl.float32)
         amp = tl.maximum(tl.maximum(hi - sh, sh - lo), 0.0)
@@ -93,9 +104,12 @@ def _quantize_pack_kernel(
         scale = _half_up(_div_rn(tl.maximum(hi - sh, 0.0), LEVELS * 1.0))
     s = scale.to(tl.float32)
     pm = tmask[:, None] & gmask[None, :]
-    pptr = params_ptr + prow[None, :] * (2 * n) + t.to(tl.int64)[:, None]
-    tl.store(pptr, shift, mask=pm)
-    tl.store(pptr + n, scale, mask=pm)
+    pptr = params_ptr + prow[None, :] * n + t.to(tl.int64)[:, None]
+    if SYM:
+        tl.store(pptr, scale, mask=pm)
+    else:
+        tl.store(pptr, shift, mask=pm)
+        tl.store(pptr + n, scale, mask=pm)
 
     pos = s > 0
     s_safe = tl.where(pos, s, 1.0)
@@ -104,6 +118,8 @@ def _quantize_pack_kernel(
         cols = col0[None, :, None] + k + c[None, None, :]
         v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
         y = _div_rn(v - sh[:, :, None], s_safe[:, :, None])
+        if SYM and not IS_FP8:
+            y = y + LEVELS * 0.5
         y = tl.where(pos[:, :, None], y, 0.0)
         if IS_FP8:
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
@@ -131,7 +147,7 @@ def _unpack_dequantize_kernel(
     y_ptr, stride_y, n,
     col0_ptr, row0_ptr, prow_ptr, ngroups,
     params_ptr, plane_ptr, plane_bytes,
-    IS_FP8: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
     G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
@@ -145,9 +161,13 @@ def _unpack_dequantize_kernel(
     tmask = t < n
     c = tl.arange(0, CH)
     pm = tmask[:, None] & gmask[None, :]
-    pptr = params_ptr + prow[None, :] * (2 * n) + t.to(tl.int64)[:, None]
-    sh = tl.load(pptr, mask=pm, other=0.0).to(tl.float32)[:, :, None]
-    sc = tl.load(pptr + n, mask=pm, other=0.0).to(tl.float32)[:, :, None]
+    pptr = params_ptr + prow[None, :] * n + t.to(tl.int64)[:, None]
+    if SYM:
+        sh = tl.zeros((BLOCK_T, GPB, 1), tl.float32)
+        sc = tl.load(pptr, mask=pm, other=0.0).to(tl.float32)[:, :, None]
+    else:
+        sh = tl.load(pptr, mask=pm, other=0.0).to(tl.float32)[:, :, None]
+        sc = tl.load(pptr + n, mask=pm, other=0.0).to(tl.float32)[:, :, None]
     tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
     for k in tl.static_range(0, G, CH):
         rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
@@ -168,7 +188,12 @@ def _unpack_dequantize_kernel(
         else:
             val = sym.to(tl.float32)
         # multiply, then add, each rounded (launched with fp fusion off): the CPU reference's arithmetic
-        out = val * sc + sh
+        if SYM:
+            if not IS_FP8:
+                val = val - MASK * 0.5
+            out = val * sc
+        else:
+            out = val * sc + sh
         cols = col0[None, :, None] + k + c[None, None, :]
         optr = y_ptr + t.to(tl.int64)[:, None, None] * stride_y + cols
         tl.store(optr, out, mask=tmask[:, None, None] & gmask[None, :, None])
@@ -187,9 +212,11 @@ def _per(qtype: int, packing: str) -> int:
 
 
 def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
-                  qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
+                  qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
+                  clips: torch.Tensor | None = None) -> None:
     """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
-    (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). In place."""
+    (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). ``clips``: float32 per
+    group (scale-only int types). In place."""
     n = coeffs.shape[0]
     ngroups = col0.numel()
     if n == 0 or ngroups == 0:
@@ -200,7 +227,9 @@ def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, 
     grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
     _quantize_pack_kernel[grid](
         coeffs, coeffs.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
-        IS_FP8=qtype == FP8, LEVELS=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
+        clips if clips is not None else col0,
+        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, HAS_CLIP=clips is not None,
+        LEVELS=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
         G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4,
     )
 
@@ -218,7 +247,7 @@ def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor,
     grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
     _unpack_dequantize_kernel[grid](
         out, out.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
-        IS_FP8=qtype == FP8, MASK=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
+        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, MASK=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
         G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, enable_fp_fusion=False,
     )
 
