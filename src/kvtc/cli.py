@@ -44,7 +44,7 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument("--corpus", nargs="+", default=[DEFAULT_CORPUS],
                    help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia")
     p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
-    p.add_argument("--ratios", type=float, nargs="+", help="target ratios to plan (default 6 7 8 12 16 24 32 48 64)")
+    p.add_argument("--ratios", type=float, nargs="+", help="target ratios to plan (default 6 7 7.5 8 10 12 16 24 32 48 64)")
     p.add_argument("--kv-split", choices=("joint", "equal"), default="joint",
                    help="joint: keys and values share one bit budget, split where the weighted relative error "
                         "is least (default); equal: the same budget for each")

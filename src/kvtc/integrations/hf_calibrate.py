@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW_TOKENS = 1024
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
-#: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting); a
-#: new recipe is a new file. r4: Fisher-weighted per feature (each kind normalised apart); r2: the same without
+#: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting,
+#: quantization types); a new recipe is a new file. r7: Fisher-weighted per feature (each kind normalised apart),
+#: every quantization type with the DP's clips, targets 6-64 with 7.5 and 10 between; r7u: the same without
 #: weighting (``sensitivity="none"``)
-DEFAULT_RECIPE = "r6"
-UNWEIGHTED_RECIPE = "r6u"
+DEFAULT_RECIPE = "r7"
+UNWEIGHTED_RECIPE = "r7u"
 #: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
 #: squared error)
 SENSITIVITIES = ("fisher", "none")
