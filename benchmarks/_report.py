@@ -97,3 +97,24 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(out)
+
+
+#: the storage round trip's per-method figures the benchmarks report
+ROUNDTRIP_KEYS = ("ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")
+
+
+def roundtrip_rows(model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int) -> list[tuple[str, Any, dict[str, Any]]]:
+    """``kvtc eval``'s storage round trip of ``methods`` on ``windows`` windows (seed 0) of each built-in text:
+    ``(text, method, {figure: value})`` for every pair."""
+    from kvtc import assets
+    from kvtc.eval.protocols import storage_roundtrip
+    from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
+
+    out = []
+    for text in texts:
+        ids = assets.token_windows(tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, windows, seed=0)
+        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
+        for m in methods:
+            s = tallies[m.label].summary()
+            out.append((text, m, {k: s.get(k) for k in ROUNDTRIP_KEYS}))
+    return out

@@ -25,8 +25,6 @@ from kvtc.calibration import Calibration
 from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES, allocate
 from kvtc.eval.greedy import replan
 from kvtc.eval.methods import KIVI, KVTC
-from kvtc.eval.protocols import storage_roundtrip
-from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
 from kvtc.integrations.hf_calibrate import collect_rows, default_calibration
 from kvtc.quant import FP8S, INT2S, INT3, INT3S, INT4S
 
@@ -77,17 +75,9 @@ def main(argv: list[str]) -> int:
         for kind in ("keys", "values"):
             r[f"{kind}_error_vs_paper"] = r[f"{kind}_error"] / base[r["target"]][f"{kind}_error"]
     methods = [KVTC(cals[n], r, name=n, label=f"{n} {r:g}x") for n in VARIANTS for r in args.ratios] + [KIVI(4)]
-    out_rows = []
-    for text in TEXTS:
-        windows = assets.token_windows(tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1,
-                                       args.windows, seed=0)
-        tallies = storage_roundtrip(model, windows, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            s = tallies[m.label].summary()
-            ours = isinstance(m, KVTC)
-            out_rows.append({"text": text, "types": m.name if ours else None, "method": m.label,
-                             "target": m.ratio if ours else None, **{k: s.get(k) for k in (
-                                 "ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")}})
+    out_rows = [{"text": text, "types": m.name if isinstance(m, KVTC) else None, "method": m.label,
+                 "target": m.ratio if isinstance(m, KVTC) else None, **figures}
+                for text, m, figures in _report.roundtrip_rows(model, tok, methods, list(TEXTS), args.windows)]
     result = {"name": "quant_types", "command": _report.command(), "machine": _report.machine(),
               "calibration": cal.fingerprint, "tokens": args.tokens, "dp_rows": args.dp_rows, "windows": args.windows,
               "predicted": predicted, "rows": out_rows, "seconds": round(time.perf_counter() - t0, 1)}

@@ -27,8 +27,6 @@ from kvtc import assets
 from kvtc.calibration import fit_calibration, sensitivity_scales
 from kvtc.calibration.fit import DEFAULT_SENSITIVITY_FLOOR
 from kvtc.eval.methods import KVTC
-from kvtc.eval.protocols import storage_roundtrip
-from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
 from kvtc.integrations.hf import describe_model
 from kvtc.integrations.hf_calibrate import collect_rows, measure_sensitivity
 
@@ -79,15 +77,8 @@ def main(argv: list[str]) -> int:
         cal = fit_calibration(layout, rows, ratios=args.ratios, rope=rope.to_dict(), **kw)
         methods += [KVTC(cal, r, name=name, label=f"{name} {r:g}x") for r in args.ratios]
     del rows
-    out_rows = []
-    for text in TEXTS:
-        windows = assets.token_windows(tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1,
-                                       args.windows, seed=0)
-        tallies = storage_roundtrip(model, windows, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            s = tallies[m.label].summary()
-            out_rows.append({"text": text, "weighting": m.name, "target": m.ratio, **{k: s.get(k) for k in (
-                "ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")}})
+    out_rows = [{"text": text, "weighting": m.name, "target": m.ratio, **figures}
+                for text, m, figures in _report.roundtrip_rows(model, tok, methods, list(TEXTS), args.windows)]
     result = {"name": args.name, "command": _report.command(), "machine": _report.machine(), "tokens": args.tokens,
               "sensitivity_windows": args.sensitivity_windows, "windows": args.windows,
               "floor": DEFAULT_SENSITIVITY_FLOOR, "rows": out_rows, "seconds": round(time.perf_counter() - t0, 1)}
