@@ -179,13 +179,14 @@ class Codec:
         return mean, basis[:k]
 
     def _fp8_basis(self, kind: str, g: int, k: int, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``k`` basis rows in E4M3 with their scales, padded to a multiple of 16 components (fp8
-        matmuls need it). ``transposed=False``: ``[p, k16]`` column-major with per-component scales ``[1, k16]``
+        """The first ``k`` basis rows in E4M3 with their scales, padded with zero rows to a multiple of
+        :data:`_FP8_ALIGN` components (fp8 matmuls need 16; on the H200 a count that is 16 mod 32 runs ~30% slower,
+        ``benchmarks/fp8_alignment.py``). ``transposed=False``: ``[p, k16]`` column-major with per-component scales ``[1, k16]``
         (for the projection); ``True``: ``[k16, p]`` column-major with per-feature scales ``[1, p]``."""
         key = (kind, g, "fp8", k, transposed)
         if key not in self._bases:
             _, basis = self._basis_fp32(kind, g, decode=transposed)
-            k16 = -(-k // 16) * 16
+            k16 = -(-k // _FP8_ALIGN) * _FP8_ALIGN
             b = torch.zeros((k16, basis.shape[1]), dtype=torch.float32, device=self.device)
             b[:k] = basis[:k]
             if not transposed:
@@ -483,8 +484,8 @@ class Codec:
                           for t, c in pl.plane_sizes.items()}
             with clock("dequantize"):
                 cdt = torch.bfloat16 if self.precision == "bf16" else torch.float32
-                # fp8 matmuls want a multiple of 16 components: the extra columns stay zero
-                kc = -(-pl.components // 16) * 16 if self._fp8 else pl.components
+                # fp8 matmuls want a padded component count (_FP8_ALIGN): the extra columns stay zero
+                kc = -(-pl.components // _FP8_ALIGN) * _FP8_ALIGN if self._fp8 else pl.components
                 coeffs = torch.zeros((n, kc), dtype=cdt, device=self.device)
                 for b in pl.buckets:
                     kernels.unpack_dequantize(coeffs, *b.starts(self.device), b.qtype, b.size, params,
@@ -627,6 +628,8 @@ def _no_tf32() -> Iterator[None]:
 
 
 _FP8_MAX = 448.0
+#: fp8 bases are padded to a multiple of this many components (cuBLASLt's fast fp8 kernels want K % 32 == 0)
+_FP8_ALIGN = 64
 #: a GPU decode writes a sequence's middle tokens straight into the output when it has at least this many
 #: (one matmul per sequence; shorter ones take a single matmul and one copy)
 DIRECT_MIN_TOKENS = 512
