@@ -73,12 +73,15 @@ def main() -> None:
         "within_budget": bool(total is not None and total <= BUDGET_S),
         "calibration": cal.fingerprint,
         "basis_rows": {k: [int(p.basis.shape[0]) for p in cal.pcas[k]] for k in cal.pcas},
+        "sampling": cal.corpus.get("sampling", "first"),
     }
     write_json("calibration_cpu", result)
     md = "\n".join([
         "## Calibration on CPU: the embedded default (SmolLM2-135M-Instruct, pre-2000 State of the Union)",
         "",
-        f"{result['tokens']:,} calibration tokens (windows of 1,024, 4 sinks excluded per window), global pre-RoPE "
+        f"{result['tokens']:,} calibration tokens (windows of 1,024 "
+        f"{'drawn across the corpus' if result['sampling'] == 'spread' else 'from the first documents on'}, "
+        f"4 sinks excluded per window), global pre-RoPE "
         f"PCA over 5,760 features, DP plans for ratios {', '.join(f'{r:g}' for r in cal.ratios)}; "
         f"{source}. {result['machine']['cpu']}"
         f"{f', {args.threads} threads' if args.rerun else ''}, {result['machine']['date']}.",

@@ -51,8 +51,11 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument("--value-weight", type=float, default=None,
                    help="weight of the values' relative error in the joint split (default 2)")
     p.add_argument("--sensitivity", choices=("fisher", "none"), default="fisher",
-                   help="fisher: weigh each (layer, KV head) by the loss's measured sensitivity before the PCA "
+                   help="fisher: weigh each cached feature by the loss's measured sensitivity before the PCA "
                         "and DP (default); none: the paper's plain squared error")
+    p.add_argument("--sampling", choices=("spread", "first"), default="spread",
+                   help="spread: calibration windows drawn across all the corpus's documents (default); first: "
+                        "consecutive windows from its first documents on")
     p.add_argument("--types", default="all",
                    help="quantization types the DP may use: all (default: the paper's int2, int4, fp8 plus our int3 "
                         "and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only: a file older kvtc "
@@ -77,13 +80,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     args.window = args.window or DEFAULT_WINDOW_TOKENS
     is_default = _is_default_model(args.model) and args.corpus == [DEFAULT_CORPUS] and args.out is None
     t0 = time.perf_counter()
-    fit_kw: dict = {"kv_split": args.kv_split, "sensitivity": args.sensitivity}
+    fit_kw: dict = {"kv_split": args.kv_split, "sensitivity": args.sensitivity, "sampling": args.sampling}
     if args.value_weight is not None:
         fit_kw["value_weight"] = args.value_weight
     if args.types != "all":
         fit_kw["types"] = parse_types(args.types)
     if (is_default and sorted(args.ratios) == sorted(DEFAULT_RATIOS) and args.window == DEFAULT_WINDOW_TOKENS
-            and args.kv_split == "joint" and args.value_weight is None and args.types == "all"):
+            and args.kv_split == "joint" and args.value_weight is None and args.types == "all"
+            and args.sampling == "spread"):
         path = default_calibration(tokens=args.tokens, progress=True, sensitivity=args.sensitivity)
     else:
         if args.out is None:

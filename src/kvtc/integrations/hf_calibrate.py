@@ -1,8 +1,11 @@
 """Calibrate any Hugging Face causal LM: run it over a corpus, collect pre-RoPE keys and values, fit.
 
-Sampling follows the paper: whole documents are cut into windows (default 1,024 tokens), the model is run
-over each window, the first ``sinks`` positions of every window are excluded (attention sinks are never
-compressed, so they must not shape the basis), and every other position becomes one calibration row.
+Sampling follows the paper: documents are cut into windows (default 1,024 tokens), the model is run over each
+window, the first ``sinks`` positions of every window are excluded (attention sinks are never compressed, so they
+must not shape the basis), and every other position becomes one calibration row. Windows are drawn across the
+whole corpus (``sampling="spread"``, the default: seeded, round-robin over as many documents as possible), not
+from its first documents (``"first"``): a corpus sorted by date or topic would otherwise calibrate on one corner
+of it.
 Rows stream into the PCA accumulators window by window, so memory is ``O(p²)`` whatever the token count.
 """
 
@@ -29,11 +32,11 @@ DEFAULT_WINDOW_TOKENS = 1024
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
 #: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting,
-#: quantization types); a new recipe is a new file. r7: Fisher-weighted per feature (each kind normalised apart),
-#: every quantization type with the DP's clips, targets 6-64 with 7.5 and 10 between; r7u: the same without
-#: weighting (``sensitivity="none"``)
-DEFAULT_RECIPE = "r7"
-UNWEIGHTED_RECIPE = "r7u"
+#: quantization types, sampling); a new recipe is a new file. r8: windows spread across the corpus, Fisher-weighted
+#: per feature (each kind normalised apart), every quantization type with the DP's clips, targets 6-64 with 7.5
+#: and 10 between; r8u: the same without weighting (``sensitivity="none"``). r7 took the corpus's first windows.
+DEFAULT_RECIPE = "r8"
+UNWEIGHTED_RECIPE = "r8u"
 #: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
 #: squared error)
 SENSITIVITIES = ("fisher", "none")
@@ -47,6 +50,10 @@ DEFAULT_SENSITIVITY_RESOLUTION = "feature"
 DEFAULT_SENSITIVITY_LABELS = "text"
 SENSITIVITY_CONTEXT = 2048
 SENSITIVITY_CONTINUATION = 256
+#: how calibration windows are taken from the corpus: "spread" (seeded windows across all documents, round-robin
+#: over them) or "first" (consecutive windows from the first documents on)
+SAMPLINGS = ("spread", "first")
+DEFAULT_SAMPLING = "spread"
 
 
 def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None) -> Iterator[torch.Tensor]:
@@ -69,6 +76,27 @@ def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windo
     # the remainder is dropped: a short tail would over-weight early positions
 
 
+def corpus_windows(tokenizer: Any, texts: Sequence[str], window: int, count: int, sampling: str = DEFAULT_SAMPLING,
+                   seed: int = 0) -> Iterator[torch.Tensor]:
+    """``count`` windows of ``window`` token ids from ``texts``, as ``sampling`` takes them (:data:`SAMPLINGS`);
+    fewer only with ``sampling="first"`` when the texts run out (the callers say so)."""
+    if sampling not in SAMPLINGS:
+        raise CalibrationError(f"unknown sampling {sampling!r}; use one of {', '.join(SAMPLINGS)}")
+    if sampling == "first":
+        yield from token_windows(tokenizer, texts, window, count)
+        return
+    from .. import assets
+    from ..errors import KVTCError
+
+    try:
+        ids = assets.token_windows(tokenizer, texts, window, count, seed=seed)
+    except KVTCError as e:
+        raise CalibrationError(
+            f"the corpus holds fewer than {count} windows of {window} tokens ({e}); add more text or ask for fewer tokens"
+        ) from None
+    yield from ids
+
+
 def collect_rows(
     model: Any,
     tokenizer: Any,
@@ -77,8 +105,11 @@ def collect_rows(
     window: int = DEFAULT_WINDOW_TOKENS,
     sinks: int = DEFAULT_SINKS,
     progress: bool = True,
+    sampling: str = DEFAULT_SAMPLING,
+    seed: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield ``(key_rows, value_rows)`` float32 ``[window - sinks, p]`` per window until ``tokens`` rows."""
+    """Yield ``(key_rows, value_rows)`` float32 ``[window - sinks, p]`` per window until ``tokens`` rows, the
+    windows taken from ``texts`` as ``sampling`` says (:func:`corpus_windows`)."""
     from transformers import DynamicCache
 
     if window <= sinks:
@@ -88,7 +119,8 @@ def collect_rows(
     bar = _bar(tokens, "calibration tokens", progress)
     done = 0
     try:
-        for ids in token_windows(tokenizer, texts, window):
+        count = -(-tokens // (window - sinks))
+        for ids in corpus_windows(tokenizer, texts, window, count, sampling, seed):
             with torch.inference_mode():
                 # a config-less cache keeps every token of sliding-window layers too
                 cache = DynamicCache()
@@ -123,6 +155,7 @@ def measure_sensitivity(
     progress: bool = True,
     labels: str = "text",
     seed: int = 0,
+    sampling: str = DEFAULT_SAMPLING,
 ) -> dict[str, torch.Tensor]:
     """How much the model's loss feels each cached feature: ``{"keys": [p], "values": [p]}`` float32, the mean
     squared gradient of the next-token loss with respect to the pre-RoPE keys and the values of a cache.
@@ -135,6 +168,7 @@ def measure_sensitivity(
 
     ``labels="text"`` scores the text's own next tokens (the empirical Fisher); ``"model"`` draws each position's
     label from the model's own next-token distribution (an unbiased one-sample estimate of the true Fisher).
+    The windows are taken as ``sampling`` says (:func:`corpus_windows`, seeded with ``seed + 1``).
     """
     if labels not in ("text", "model"):
         raise CalibrationError(f"labels must be 'text' or 'model', got {labels!r}")
@@ -152,7 +186,7 @@ def measure_sensitivity(
     try:
         for p in model.parameters():
             p.requires_grad_(False)
-        for ids in token_windows(tokenizer, texts, context + continuation + 1, windows):
+        for ids in corpus_windows(tokenizer, texts, context + continuation + 1, windows, sampling, seed + 1):
             ids = ids.to(device)
             with torch.inference_mode():
                 cache = DynamicCache(config=model.config)
@@ -205,12 +239,14 @@ def calibrate_model(
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR,
     sensitivity_resolution: str = DEFAULT_SENSITIVITY_RESOLUTION,
     sensitivity_labels: str = DEFAULT_SENSITIVITY_LABELS,
+    sampling: str = DEFAULT_SAMPLING,
     **fit_kwargs: Any,
 ) -> Calibration:
     """Calibration of ``model`` on ``texts``: pre-RoPE PCA bases and a DP bit plan per ratio.
 
     ``tokens`` calibration rows are taken from windows of ``window`` tokens, the first ``sinks`` positions of
-    each excluded. The model's RoPE spec is stored in the calibration and checked whenever it is used.
+    each excluded, drawn across the corpus (``sampling="spread"``) or from its start (``"first"``). The model's
+    RoPE spec is stored in the calibration and checked whenever it is used.
 
     ``sensitivity="fisher"`` (default; ours) first measures the loss's sensitivity to every cached feature on
     ``sensitivity_windows`` windows of the same texts (:func:`measure_sensitivity`) and fits on rows weighted by
@@ -220,22 +256,25 @@ def calibrate_model(
     """
     if sensitivity not in SENSITIVITIES:
         raise CalibrationError(f"unknown sensitivity {sensitivity!r}; use one of {', '.join(SENSITIVITIES)}")
+    if sampling not in SAMPLINGS:
+        raise CalibrationError(f"unknown sampling {sampling!r}; use one of {', '.join(SAMPLINGS)}")
     layout, rope = describe_model(model)
     t0 = time.perf_counter()
     meta_sens: dict[str, Any] = {"method": sensitivity}
     if sensitivity == "fisher" and "feature_scale" not in fit_kwargs:
         fisher = measure_sensitivity(model, tokenizer, texts, windows=sensitivity_windows, sinks=sinks,
-                                     progress=progress, labels=sensitivity_labels)
+                                     progress=progress, labels=sensitivity_labels, sampling=sampling)
         fit_kwargs["feature_scale"] = sensitivity_scales(fisher, sensitivity_resolution, sensitivity_floor,
                                                          layout.head_dim)
         meta_sens.update(windows=sensitivity_windows, context=SENSITIVITY_CONTEXT,
                          continuation=SENSITIVITY_CONTINUATION, resolution=sensitivity_resolution,
                          labels=sensitivity_labels, normalize="kind", floor=sensitivity_floor,
                          seconds=round(time.perf_counter() - t0, 3))
-    rows = collect_rows(model, tokenizer, texts, tokens, window, sinks, progress)
+    rows = collect_rows(model, tokenizer, texts, tokens, window, sinks, progress, sampling)
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
-    meta.update({"tokens": tokens, "window": window, "sinks_excluded": sinks, "sensitivity": meta_sens})
+    meta.update({"tokens": tokens, "window": window, "sinks_excluded": sinks, "sampling": sampling,
+                 "sensitivity": meta_sens})
     cal = fit_calibration(layout, _timed(rows, meta), ratios=ratios, grouping=grouping, rope=rope.to_dict(),
                           model_id=model_id or str(getattr(model.config, "_name_or_path", "")), corpus=meta,
                           progress=say, **fit_kwargs)

@@ -1,0 +1,91 @@
+"""Where calibration windows come from: spread across the corpus (default) or its first documents.
+
+The pre-2000 State of the Union corpus is sorted by year, so a calibration that took its first windows would see
+only the 1790s; these tests pin down that the default sampling reaches across the corpus, is deterministic, counts
+rows exactly, and refuses what it cannot do with a typed error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtc import assets
+from kvtc.errors import CalibrationError
+from kvtc.integrations.hf_calibrate import DEFAULT_SAMPLING, collect_rows, corpus_windows
+
+
+@pytest.fixture(scope="module")
+def dated_docs(sotu_calib_texts):
+    years = [year for year, _ in assets.sotu_files(before=assets.SOTU_SPLIT_YEAR)]
+    assert len(years) == len(sotu_calib_texts)
+    return years, sotu_calib_texts
+
+
+def _source_years(tok, windows: list[torch.Tensor], years: list[int], texts: list[str]) -> list[int]:
+    """The year of the document each window was cut from (found by a decoded piece of its middle)."""
+    found = []
+    for w in windows:
+        piece = tok.decode(w[len(w) // 2 : len(w) // 2 + 12]).strip()
+        hits = [y for y, t in zip(years, texts) if piece in t]
+        assert hits, f"window text {piece!r} is in no document"
+        found.append(hits[0])
+    return found
+
+
+def test_spread_sampling_reaches_across_a_dated_corpus(smollm2, dated_docs) -> None:
+    _, tok = smollm2
+    years, texts = dated_docs
+    assert DEFAULT_SAMPLING == "spread"
+    spread = list(corpus_windows(tok, texts, 256, 12, "spread"))
+    first = list(corpus_windows(tok, texts, 256, 12, "first"))
+    assert len(spread) == len(first) == 12 and all(w.shape == (256,) for w in spread + first)
+    spread_years = _source_years(tok, spread, years, texts)
+    first_years = _source_years(tok, first, years, texts)
+    # the first windows all come from the oldest speeches; the spread ones from ~12 documents across two centuries
+    assert max(first_years) < 1800
+    assert len(set(spread_years)) >= 10
+    assert min(spread_years) < 1900 < max(spread_years)
+
+
+def test_spread_sampling_is_deterministic_per_seed(smollm2, dated_docs) -> None:
+    _, tok = smollm2
+    _, texts = dated_docs
+    texts = texts[-20:]  # a short corpus: fast to tokenize
+    a = torch.stack(list(corpus_windows(tok, texts, 128, 6, "spread", seed=0)))
+    b = torch.stack(list(corpus_windows(tok, texts, 128, 6, "spread", seed=0)))
+    c = torch.stack(list(corpus_windows(tok, texts, 128, 6, "spread", seed=1)))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_collect_rows_counts_rows_exactly_and_skips_the_sinks(smollm2, dated_docs) -> None:
+    model, tok = smollm2
+    _, texts = dated_docs
+    texts = texts[-10:]
+    rows = list(collect_rows(model, tok, texts, 300, window=128, sinks=4, progress=False))
+    assert [k.shape[0] for k, _ in rows] == [124, 124, 52]
+    assert all(k.shape == v.shape and k.dtype == torch.float32 for k, v in rows)
+    # the same windows through the model: rows are positions 4.. of each window, not position 0
+    ids = next(corpus_windows(tok, texts, 128, 3, "spread"))
+    from kvtc.integrations.hf import extract_slice
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+    kv = extract_slice(cache, model)
+    want = kv.keys[0, 4:].reshape(124, -1).float()
+    assert torch.allclose(rows[0][0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_refuses_unknown_modes_and_too_little_text(smollm2, dated_docs) -> None:
+    model, tok = smollm2
+    _, texts = dated_docs
+    with pytest.raises(CalibrationError, match="unknown sampling"):
+        list(corpus_windows(tok, texts[:2], 64, 1, "random"))
+    short = [texts[0][:2000]]
+    with pytest.raises(CalibrationError, match="fewer than 40 windows"):
+        list(corpus_windows(tok, short, 256, 40, "spread"))
+    for sampling in ("spread", "first"):
+        with pytest.raises(CalibrationError, match="calibration tokens|fewer than"):
+            list(collect_rows(model, tok, short, 10_000, window=256, progress=False, sampling=sampling))
