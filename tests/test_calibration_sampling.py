@@ -89,3 +89,26 @@ def test_sampling_refuses_unknown_modes_and_too_little_text(smollm2, dated_docs)
     for sampling in ("spread", "first"):
         with pytest.raises(CalibrationError, match="calibration tokens|fewer than"):
             list(collect_rows(model, tok, short, 10_000, window=256, progress=False, sampling=sampling))
+
+
+def test_spread_windows_hold_one_document_at_a_time(smollm2, dated_docs) -> None:
+    """A corpus of any size is sampled in bounded memory: every document is tokenized once to measure it, and a
+    second time only if a window is cut from it; the windows equal :func:`assets.token_windows`'s."""
+    _, tok = smollm2
+    _, texts = dated_docs
+    texts = texts[-40:]
+    calls: list[int] = []
+    index = {t: i for i, t in enumerate(texts)}
+
+    class Counting:
+        eos_token_id = tok.eos_token_id
+
+        def __call__(self, text, **kw):
+            calls.append(index[text])
+            return tok(text, **kw)
+
+    windows = list(assets.iter_token_windows(Counting(), texts, 512, 6, seed=0))
+    assert calls[: len(texts)] == list(range(len(texts)))  # the measuring pass
+    second = calls[len(texts) :]
+    assert len(second) == len(set(second)) <= 6  # only the documents windows come from, once each
+    assert torch.equal(torch.stack(windows), assets.token_windows(tok, texts, 512, 6, seed=0))

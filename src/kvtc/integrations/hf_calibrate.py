@@ -89,7 +89,7 @@ def corpus_windows(tokenizer: Any, texts: Sequence[str], window: int, count: int
     from ..errors import KVTCError
 
     try:
-        ids = assets.token_windows(tokenizer, texts, window, count, seed=seed)
+        ids = assets.iter_token_windows(tokenizer, texts, window, count, seed=seed)  # bounded memory
     except KVTCError as e:
         raise CalibrationError(
             f"the corpus holds fewer than {count} windows of {window} tokens ({e}); add more text or ask for fewer tokens"
