@@ -3,7 +3,7 @@
 The embedded default's calibration (its basis and, per ratio and kind, the bits its plan spends) is re-planned by
 the same DP with different type sets (``VARIANTS``): the paper's; plus int3; plus the scale-only types (int2s,
 int3s, int4s, fp8s: one fp16 scale a token instead of a shift and a scale); all of them (the default). The DP's
-errors are measured on ``--dp-rows`` rows of ``--tokens`` fresh tokens of the pre-2000 speeches (the calibration
+errors are measured on ``--dp-rows`` rows of ``--tokens`` tokens of the pre-2000 speeches (windows of the calibration
 corpus). Reported per variant and target: the DP's predicted relative error per kind (on those rows), and the
 storage round trip of ``kvtc eval`` on ``--windows`` windows of 2,048 + 256 tokens of the speeches from 2000 on
 (held out; the choice of the default was made on these) and of Wikipedia (the windows ``kvtc eval`` scores).
@@ -91,7 +91,7 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}` — {result['machine']['date']}, {result['seconds'] / 60:.1f} min. The default "
         f"calibration's basis and per-kind bits, re-planned by the DP with each type set on {result['dp_rows']:,} "
-        f"rows of {result['tokens']:,} fresh tokens of the pre-2000 speeches. *Predicted*: the DP's squared error on "
+        f"rows of {result['tokens']:,} tokens of the pre-2000 speeches (windows the calibration also saw). *Predicted*: the DP's squared error on "
         "those rows relative to the paper's set at the same bits (weighted by the calibration's feature scales).",
         "",
         "| types | target | keys: error vs paper's | values: error vs paper's |",
