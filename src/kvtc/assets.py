@@ -410,8 +410,9 @@ def iter_token_windows(
 ) -> Iterator[torch.Tensor]:
     """The windows of :func:`token_windows`, ``[length]`` int64 each, in the same order, holding at most one
     document's tokens at a time: a first pass measures every document's token count, a second tokenizes only the
-    documents windows are cut from (a corpus of any size is sampled in bounded memory). The validation runs before
-    the first window is yielded."""
+    documents windows are cut from (a corpus of any size is sampled in bounded memory). Only when too few documents
+    are long enough, and windows are cut from all of them concatenated, is that concatenation built whole. The
+    validation runs at the call, before the first window is yielded."""
     if length <= 0 or count <= 0:
         raise KVTCError(f"token_windows(): length and count must be positive, got {length=} {count=}")
 
@@ -424,10 +425,13 @@ def iter_token_windows(
     long_docs = [i for i, n in enumerate(lengths) if n >= length]
     if sum(lengths[i] // length for i in long_docs) >= count:
         picks = [(long_docs[j], s) for j, s in _window_slots([lengths[i] for i in long_docs], length, count, rng)]
+        starts_by_doc: dict[int, list[int]] = {}
+        for i, s in picks:
+            starts_by_doc.setdefault(i, []).append(s)
         cut: dict[tuple[int, int], list[int]] = {}
-        for i in sorted({i for i, _ in picks}):
+        for i in sorted(starts_by_doc):
             ids = encode(texts[i])
-            cut.update({(i, s): ids[s : s + length] for d, s in picks if d == i})
+            cut.update({(i, s): ids[s : s + length] for s in starts_by_doc[i]})
         return (torch.tensor(cut[p], dtype=torch.long) for p in picks)
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if (sum(lengths) + len(sep) * len(texts)) // length < count:
