@@ -123,6 +123,34 @@ class Calibration:
                 "slice the calibration for this shard with `calibration.shard(heads)`"
             )
 
+    def check_model(self, layout: KVLayout, rope: Any, model: str = "the model") -> None:
+        """The one check that this calibration fits a served model, used by every engine integration.
+
+        ``layout`` is the model's KV layout (or a tensor-parallel shard of it) and ``rope`` its
+        :class:`~kvtc.rope.RopeSpec`. A calibration of another model is named as such (its layout differs)
+        before RoPE is compared; a calibration that records no RoPE is refused, since its keys' basis is
+        unknown.
+        """
+        from ..rope import RopeSpec
+
+        mine = self.layout
+        if layout.model_shape != mine.model_shape:
+            raise CalibrationMismatch(
+                f"the calibration was made for another model ({self.model_id or 'unnamed'}: layers "
+                f"{_short(mine.layers)}, {mine.num_kv_heads} KV heads, head_dim {mine.head_dim}) than {model} "
+                f"(layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}); "
+                "use a calibration made for this model (`kvtc calibrate --model ...`)"
+            )
+        self.check_layout(layout)
+        if self.rope is None:
+            raise CalibrationMismatch("the calibration records no RoPE spec; recalibrate with `kvtc calibrate`")
+        theirs = RopeSpec.from_dict(self.rope)
+        if theirs.fingerprint() != rope.fingerprint():
+            raise CalibrationMismatch(
+                f"{model}'s RoPE ({rope.fingerprint()}) differs from the calibration's ({theirs.fingerprint()}): "
+                "it was made for another model or configuration; recalibrate with `kvtc calibrate --model ...`"
+            )
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         if set(self.pcas) != set(KINDS):

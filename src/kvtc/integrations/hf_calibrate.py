@@ -298,19 +298,8 @@ def _timed(rows: Iterator[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, An
 
 def check_model(calibration: Calibration, model: Any) -> None:
     """Refuse a calibration made for another model (layout or RoPE differ)."""
-    from ..errors import CalibrationMismatch
-    from ..rope import RopeSpec
-
     layout, rope = describe_model(model)
-    calibration.check_layout(layout)
-    if calibration.rope is None:
-        raise CalibrationMismatch("the calibration records no RoPE spec; recalibrate with `kvtc calibrate`")
-    theirs = RopeSpec.from_dict(calibration.rope)
-    if theirs.fingerprint() != rope.fingerprint():
-        raise CalibrationMismatch(
-            f"the model's RoPE ({rope.fingerprint()}) differs from the calibration's ({theirs.fingerprint()}): "
-            "it was made for another model or configuration; recalibrate with `kvtc calibrate --model ...`"
-        )
+    calibration.check_model(layout, rope, model=f"model {getattr(getattr(model, 'config', None), 'name_or_path', '') or 'given'}")
 
 
 def default_calibration(tokens: int = DEFAULT_TOKENS, progress: bool = True,

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...calibration import Calibration
 from ...codec import Codec
-from ...errors import CalibrationMismatch, KVTCError, LayoutError
+from ...errors import KVTCError, LayoutError
 from ...layout import KVLayout, KVSlice
 from ...rope import RopeSpec
 from ...store import Store, open_store
@@ -253,11 +253,6 @@ class _Codecs:
         if config.codec == "kvtc":
             self.calibration = Calibration.load(config.calibration)
             self.calibration_hash = self.calibration.hash
-            if self.calibration.rope is not None and self.calibration.rope != self.rope.to_dict():
-                raise CalibrationMismatch(
-                    f"calibration {config.calibration} was made with another RoPE than the served model's; "
-                    "use a calibration made for this model"
-                )
         self._by_layout: dict[tuple[KVLayout, bool], Codec] = {}
 
     def codec(self, layout: KVLayout, first_chunk: bool) -> Codec:
@@ -269,7 +264,7 @@ class _Codecs:
                 calib = self.calibration
                 if layout.heads != calib.layout.heads:
                     calib = calib.shard(layout.heads)  # tensor parallelism: this rank's heads only
-                calib.check_layout(layout)
+                calib.check_model(layout, self.rope, model="the served model")
                 sinks = self.config.sinks if first_chunk else 0
                 self._by_layout[key] = Codec(calib, ratio=self.config.ratio, sinks=sinks, window=0)
         return self._by_layout[key]
