@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 from kvtc.errors import FormatError, StoreError
 from kvtc.store import FileStore, MemoryStore, RedisStore, Store, entry_id, open_store, seal, unseal
 from kvtc.store.base import HEADER_SIZE
-from redis_server import RedisServer, own_redis_server, redis_server, redis_url  # noqa: F401  (pytest fixtures)
+from redis_server import (  # noqa: F401  (pytest fixtures)
+    RedisServer,
+    _whole,
+    own_redis_server,
+    redis_cluster,
+    redis_server,
+    redis_url,
+    valkey_cluster,
+)
 
 NS_A = "HuggingFaceTB/SmolLM2-135M:calib-aaaa"
 NS_B = "HuggingFaceTB/SmolLM2-135M:calib-bbbb"
@@ -29,11 +37,16 @@ NS_B = "HuggingFaceTB/SmolLM2-135M:calib-bbbb"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
-@pytest.fixture(params=["file", "memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=["file", "memory", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis),
+                        pytest.param("valkey-cluster", marks=pytest.mark.redis)])
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Store]]:
-    """Opens stores of one kind (all sharing one backend) for a namespace; closes them afterwards."""
+    """Opens stores of one kind (all sharing one backend) for a namespace; closes them afterwards.
+    The cluster kinds are three masters in cluster mode (see tests/redis_server.py)."""
     if request.param == "redis":
         base = request.getfixturevalue("redis_url")
+    elif request.param.endswith("-cluster"):
+        base = _whole(request.getfixturevalue(request.param.replace("-", "_")))
     elif request.param == "file":
         base = f"file://{tmp_path}/store"
     else:
@@ -355,15 +368,25 @@ def test_open_store_urls(tmp_path: Path) -> None:
     assert isinstance(m, MemoryStore) and m.max_bytes == 1000
     r = open_store("redis://u:p%40ss@10.0.0.1:7000/3?ttl=60&prefix=x:&timeout=0.1", NS_A)
     assert isinstance(r, RedisStore) and r.address == "10.0.0.1:7000/3" and r.ttl_ms == 60_000
-    assert r.redis_key("k").startswith("x:") and r._client.connection_pool.connection_kwargs["password"] == "p@ss"
+    kwargs = r._node("10.0.0.1", 7000).client.connection_pool.connection_kwargs
+    assert r.redis_key("k").startswith("x:") and kwargs["password"] == "p@ss" and kwargs["db"] == 3
+    assert not r.cluster
+    c = open_store("redis+cluster://a:7000,[::1]:7001,b?timeout=0.2", NS_A)
+    assert isinstance(c, RedisStore) and c.cluster and c.address == "a:7000,::1:7001,b:6379"
+    assert c.redis_key("k") == open_store("redis://a:7000", NS_A).redis_key("k")  # same keys as one server
     for bad, message in [
         ("ftp://host/x", "unknown store URL scheme"),
         ("memory://?max_bytes=lots", "max_bytes"),
         ("memory://?budget=1", "unknown memory:// store option"),
         (f"file://{tmp_path}?evict_to=2", "evict_to"),
         ("file://otherhost/x", "names host"),
-        ("redis://h:6379/zero", "integers"),
+        ("redis://h:6379/zero", "integer"),
         ("redis://h/0?ttl=-1", "ttl"),
+        ("redis://h/0?timeout=inf", "timeout"),
+        ("redis://a:1,b:2/0", "redis\\+cluster://"),
+        ("redis+cluster://a:1,b:2/3", "database 0"),
+        ("redis://[::1/0", "malformed"),
+        ("redis://h:0/0", "port"),
     ]:
         with pytest.raises(StoreError, match=message):
             open_store(bad, NS_A)

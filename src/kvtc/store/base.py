@@ -28,7 +28,8 @@ under another namespace or key, another version) is a *corrupt* entry: the read 
 is removed where the store can do so safely, and ``stats()["corrupt"]`` counts it.
 
 Failure policy, the same for every store: a backend that cannot serve a request (disk full,
-permission denied, Redis unreachable) logs a rate-limited warning on the ``kvtc.store`` logger,
+permission denied, a Redis server unreachable or answering nonsense, something other than a regular
+file at an entry's path) logs a rate-limited warning on the ``kvtc.store`` logger,
 counts ``stats()["errors"]`` and answers as a cache would: ``get`` -> ``None`` (miss), ``put`` ->
 ``False``, ``delete``/``contains`` -> ``False``. It never damages entries already stored and never
 raises for these. `StoreError` is raised only for what the caller must fix: an invalid URL or
@@ -151,7 +152,7 @@ def unseal(namespace: str, key: str, blob: bytes | bytearray | memoryview) -> by
     return bytes(payload)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):
     _SIZE_UNITS.update({_p: 1000**_i, _p + "b": 1000**_i, _p + "i": 1024**_i, _p + "ib": 1024**_i})
@@ -159,22 +160,11 @@ for _i, _p in enumerate("kmgt", start=1):
 
 def parse_size(text: str, what: str = "max_bytes") -> int:
     """Parse a byte count such as ``1048576``, ``64MiB``, ``2G`` (SI: k/M/G/T; binary: Ki/Mi/Gi/Ti)."""
-    m = _SIZE_RE.match(text)
+    m = _SIZE_RE.match(text) if len(text) <= 64 else None
     factor = _SIZE_UNITS.get(m.group(2).lower()) if m else None
     if m is None or factor is None or int(m.group(1)) == 0:
         raise StoreError(f"invalid {what}={text!r}: use a positive byte count such as 1048576, 64MiB or 2G")
     return int(m.group(1)) * factor
-
-
-def parse_number(text: str, what: str) -> float:
-    """Parse a non-negative number from a URL option (seconds, fractions)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise StoreError(f"invalid {what}={text!r}: use a number") from None
-    if not value >= 0:
-        raise StoreError(f"invalid {what}={text!r}: must be >= 0")
-    return value
 
 
 def reject_unknown_options(scheme: str, options: Mapping[str, str], known: Iterable[str]) -> None:

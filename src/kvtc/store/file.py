@@ -16,7 +16,8 @@ removes once it is older than ``tmp_grace`` seconds. Entries are never modified 
 failed write (disk full, permission denied) cannot damage what is already stored.
 
 Reads check the envelope; a torn, corrupt or foreign entry is a miss, is removed and is counted in
-``stats()["corrupt"]``.
+``stats()["corrupt"]``. Entry files are opened without blocking and without following links: anything
+but a regular file at an entry's path (a FIFO, a device, a link) is treated the same way.
 
 Budget: with ``max_bytes`` set, the total size of the entry files is bounded. Recency is the entry
 file's mtime, set on write and on every hit (so it works on ``noatime`` mounts). The running total
@@ -38,9 +39,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 from collections.abc import Iterator
@@ -83,6 +86,9 @@ class FileStore(Store):
             raise StoreError(f"max_bytes must be positive, got {max_bytes}")
         if not 0.0 < evict_to <= 1.0:
             raise StoreError(f"evict_to must be in (0, 1], got {evict_to}")
+        for name, value in (("tmp_grace", tmp_grace), ("sweep_interval", sweep_interval)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise StoreError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.evict_to = evict_to
@@ -94,9 +100,9 @@ class FileStore(Store):
             with self._locked() as fd:
                 if len(os.pread(fd, _USAGE.size, 0)) < _USAGE.size:
                     self._sweep_locked(fd, self.tmp_grace)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a path no system call accepts (NUL)
             raise StoreError(
-                f"cannot use {str(self.root)!r} as a kvtc file store ({e.strerror or e}); "
+                f"cannot use {str(self.root)!r} as a kvtc file store ({getattr(e, 'strerror', None) or e}); "
                 "pass a writable directory in the file:// URL"
             ) from e
 
@@ -162,8 +168,25 @@ class FileStore(Store):
     def get(self, key: str) -> bytes | None:
         path = self.path_of(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
+            # Never blocks (a FIFO planted at the path would) and never follows a link out of the store.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._count(misses=1)
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symbolic link where an entry belongs
+                return self._not_an_entry(path)
+            return self._read_failed(path, e)
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            return self._read_failed(path, e)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return self._not_an_entry(path)
+        try:
+            with open(fd, "rb", buffering=0) as f:
                 try:
                     head = f.read(HEADER_SIZE)
                     total = parse_header(head)
@@ -187,15 +210,24 @@ class FileStore(Store):
                     os.utime(f.fileno(), ns=(now, now))
                 except OSError:
                     pass  # recency is advisory; a read-only store still serves hits
-        except FileNotFoundError:
-            self._count(misses=1)
-            return None
         except OSError as e:
-            self._count(misses=1, errors=1)
-            self._warn(f"get-{e.errno}", "kvtc.store: cannot read %s (%s); treated as a miss", path, e.strerror or e)
-            return None
+            return self._read_failed(path, e)
         self._count(hits=1)
         return payload
+
+    def _read_failed(self, path: Path, e: OSError) -> None:
+        self._count(misses=1, errors=1)
+        self._warn(f"get-{e.errno}", "kvtc.store: cannot read %s (%s); treated as a miss", path, e.strerror or e)
+        return None
+
+    def _not_an_entry(self, path: Path) -> None:
+        try:
+            seen = os.lstat(path)
+        except OSError:
+            self._count(misses=1)
+            return None
+        self._remove_corrupt(path, seen, FormatError("not a regular file"))
+        return None
 
     def contains(self, key: str) -> bool:
         return self.path_of(key).is_file()
@@ -220,7 +252,7 @@ class FileStore(Store):
     def stats(self) -> dict[str, int]:
         out = super().stats()
         try:
-            fd = os.open(self._lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self._lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
                 out["bytes"] = self._read_usage(fd)[0]
             finally:
@@ -311,14 +343,15 @@ class FileStore(Store):
         try:
             with self._locked() as fd:
                 try:
-                    now = os.stat(path)
+                    now = os.lstat(path)
                 except FileNotFoundError:
                     return
                 # Only the file that was read: a writer may have renamed a good one over it since.
                 if (now.st_ino, now.st_dev) == (seen.st_ino, seen.st_dev):
                     os.unlink(path)
-                    held, last_sweep = self._read_usage(fd)
-                    os.pwrite(fd, _USAGE.pack(max(0, held - now.st_size), last_sweep), 0)
+                    if stat.S_ISREG(now.st_mode):  # only entry files are in the usage record
+                        held, last_sweep = self._read_usage(fd)
+                        os.pwrite(fd, _USAGE.pack(max(0, held - now.st_size), last_sweep), 0)
         except OSError as e:
             self._count(errors=1)
             self._warn(f"remove-{e.errno}", "kvtc.store: cannot remove bad entry %s (%s)", path, e.strerror or e)
