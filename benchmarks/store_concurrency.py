@@ -1,13 +1,15 @@
 """Concurrency benchmark for the stores: N processes put and get overlapping keys for S seconds.
 
-    python benchmarks/store_concurrency.py                      # file and Redis, 8 processes, 60 s each
-    python benchmarks/store_concurrency.py --stores file --seconds 5
+    python benchmarks/store_concurrency.py                      # file, Redis, 3-node Redis Cluster; 8 procs, 60 s each
+    python benchmarks/store_concurrency.py --stores redis,redis-cluster,valkey,valkey-cluster --seconds 20
 
 Each value carries its own checksum and the key it was written for, independent of the store's
 envelope, so a reader can tell a torn, corrupt or misdirected value from a good one; any such read
 is a *corrupt read* and must never happen. The file store runs with a byte budget smaller than the
 working set, so eviction runs concurrently with reads and writes. For ``redis`` a throwaway
-redis-server is started on a free port unless ``--redis-url`` names one.
+redis-server is started on a free port unless ``--redis-url`` names one; ``redis-cluster`` starts
+three redis-server masters in cluster mode (``valkey`` and ``valkey-cluster`` the same with
+valkey-server), all on this machine.
 
 Writes JSON to benchmarks/results/store_concurrency.json and prints a markdown table.
 """
@@ -43,6 +45,8 @@ DEFAULT_MAX_VALUE = 256 << 10
 DEFAULT_WRITE_FRACTION = 0.5
 #: File-store budget: about half the working set, so eviction is exercised throughout.
 DEFAULT_FILE_BUDGET = 16 << 20
+#: Stores on servers this script starts: one server, or three masters in cluster mode (tests/redis_server.py).
+SERVER_KINDS = ("redis", "redis-cluster", "valkey", "valkey-cluster")
 
 _VALUE_HEAD = struct.Struct("<16sIQI")  # blake2b(key), writer, sequence, body length
 _VALUE_DIGEST = 16
@@ -103,6 +107,7 @@ def worker(url: str, namespace: str, writer: int, cfg: dict[str, Any], start_at:
               "bytes_written": 0, "bytes_read": 0}
     put_lat: list[float] = []
     get_lat: list[float] = []
+    trace: list[tuple[float, int, bool, bool]] | None = [] if cfg.get("trace") else None
     seq = 0
     time.sleep(max(0.0, start_at - time.time()))
     t0 = time.perf_counter()
@@ -111,7 +116,8 @@ def worker(url: str, namespace: str, writer: int, cfg: dict[str, Any], start_at:
         now = time.perf_counter()
         if now >= deadline:
             break
-        key = f"chunk-{rng.randrange(cfg['keys'])}"
+        index = rng.randrange(cfg["keys"])
+        key = f"chunk-{index}"
         if rng.random() < cfg["write_fraction"]:
             size = rng.randint(cfg["min_value"], cfg["max_value"])
             offset = rng.randrange(len(pool) - size)
@@ -124,6 +130,8 @@ def worker(url: str, namespace: str, writer: int, cfg: dict[str, Any], start_at:
                 counts["bytes_written"] += len(value)
             else:
                 counts["put_failures"] += 1
+            if trace is not None:
+                trace.append((time.time(), index, True, ok))
         else:
             value = store.get(key)
             get_lat.append(time.perf_counter() - now)
@@ -134,11 +142,13 @@ def worker(url: str, namespace: str, writer: int, cfg: dict[str, Any], start_at:
                     counts["bytes_read"] += len(value)
                 else:
                     counts["corrupt_reads"] += 1
+            if trace is not None:
+                trace.append((time.time(), index, False, value is not None))
     elapsed = time.perf_counter() - t0
     stats = store.stats()
     store.close()
     out.put({"writer": writer, "elapsed": elapsed, "counts": counts, "store_stats": stats,
-             "put_latency": put_lat, "get_latency": get_lat})
+             "put_latency": put_lat, "get_latency": get_lat, "trace": trace})
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -148,19 +158,40 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_store(kind: str, url: str, namespace: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run `cfg["procs"]` workers against `url`; return the aggregated result for one store."""
+def start_workers(url: str, namespace: str, cfg: dict[str, Any]) -> tuple[float, Any, list[Any]]:
+    """Start `cfg["procs"]` workers against `url`; returns (wall-clock start time, result queue, processes)."""
     ctx = process_context()
     out = ctx.Queue()
     start_at = time.time() + cfg["warmup"]
     procs = [ctx.Process(target=worker, args=(url, namespace, i, cfg, start_at, out)) for i in range(cfg["procs"])]
     for p in procs:
         p.start()
-    reports = [out.get(timeout=cfg["seconds"] + cfg["warmup"] + 120) for _ in procs]
+    return start_at, out, procs
+
+
+def collect_workers(kind: str, cfg: dict[str, Any], out: Any, procs: list[Any]) -> list[dict[str, Any]]:
+    """The workers' reports, once all have exited cleanly (a worker that raised fails the run)."""
+    reports = []
+    for _ in procs:
+        try:
+            reports.append(out.get(timeout=cfg["seconds"] + cfg["warmup"] + 120))
+        except Exception:  # noqa: BLE001 - a worker died before reporting
+            break
     for p in procs:
         p.join(timeout=30)
-    if any(p.exitcode != 0 for p in procs):
+    if len(reports) != len(procs) or any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"{kind}: a worker exited with {[p.exitcode for p in procs]}")
+    return reports
+
+
+def run_store(kind: str, url: str, namespace: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run `cfg["procs"]` workers against `url`; return the aggregated result for one store."""
+    _, out, procs = start_workers(url, namespace, cfg)
+    return summarize(kind, cfg, collect_workers(kind, cfg, out, procs))
+
+
+def summarize(kind: str, cfg: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One store's figures from its workers' reports."""
     total = {k: sum(r["counts"][k] for r in reports) for k in reports[0]["counts"]}
     store_stats = {k: sum(r["store_stats"][k] for r in reports) for k in ("corrupt", "errors", "evictions")}
     elapsed = max(r["elapsed"] for r in reports)
@@ -200,8 +231,11 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _redis_server_version() -> str | None:
-    binary = shutil.which("redis-server")
+def _server_version(kind: str) -> str | None:
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from redis_server import server_binary
+
+    binary = server_binary(kind)
     if binary is None:
         return None
     text = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
@@ -210,7 +244,9 @@ def _redis_server_version() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stores", default="file,redis", help="comma-separated list of file, redis (memory:// is per process, so not benchmarked)")
+    ap.add_argument("--stores", default="file,redis,redis-cluster",
+                    help="comma-separated list of file, redis, redis-cluster, valkey, valkey-cluster "
+                         "(memory:// is per process, so not benchmarked)")
     ap.add_argument("--procs", type=int, default=DEFAULT_PROCS)
     ap.add_argument("--seconds", type=float, default=DEFAULT_SECONDS)
     ap.add_argument("--keys", type=int, default=DEFAULT_KEYS)
@@ -236,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/store_concurrency.py", *(sys.argv[1:] if argv is None else argv)]),
         "python": platform.python_version(),
         "redis_py": redis.__version__,
-        "redis_server": _redis_server_version(),
+        "redis_server": _server_version("redis"),
+        "valkey_server": _server_version("valkey") if any(k.startswith("valkey") for k in args.stores.split(",")) else None,
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
@@ -281,17 +318,18 @@ def benchmark(
             finally:
                 if file_root is None:
                     shutil.rmtree(root, ignore_errors=True)
-        elif kind == "redis":
-            if redis_url is not None:
+        elif kind in SERVER_KINDS:
+            if kind == "redis" and redis_url is not None:
                 results.append(run_store(kind, redis_url, namespace, cfg))
-            else:
-                sys.path.insert(0, str(HERE.parent / "tests"))
-                from redis_server import RedisServer
+                continue
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from redis_server import LocalCluster, RedisServer
 
-                with RedisServer() as server:
-                    results.append(run_store(kind, server.url, namespace, cfg))
+            server_kind = kind.split("-")[0]
+            with (LocalCluster(3, server_kind) if kind.endswith("-cluster") else RedisServer(kind=server_kind)) as srv:
+                results.append(run_store(kind, srv.url, namespace, cfg))
         else:
-            raise SystemExit(f"unknown store {kind!r}: use file or redis (memory:// is per process)")
+            raise SystemExit(f"unknown store {kind!r}: use file, {', '.join(SERVER_KINDS)} (memory:// is per process)")
     return results
 
 
