@@ -17,7 +17,6 @@ Writes JSON to benchmarks/results/store_concurrency.json and prints a markdown t
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import multiprocessing
@@ -267,27 +266,60 @@ def main(argv: list[str] | None = None) -> int:
     )
     import redis
 
+    from _report import machine, update_section
+
+    facts = machine()
+    stores = args.stores.split(",")
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": facts["date"],
         "command": " ".join(["python", "benchmarks/store_concurrency.py", *(sys.argv[1:] if argv is None else argv)]),
         "python": platform.python_version(),
         "redis_py": redis.__version__,
         "redis_server": _server_version("redis"),
-        "valkey_server": _server_version("valkey") if any(k.startswith("valkey") for k in args.stores.split(",")) else None,
+        "valkey_server": _server_version("valkey") if any(k.startswith("valkey") for k in stores) else None,
+        "cpu": facts.get("cpu"),
         "cpus": os.cpu_count(),
+        "commit": facts.get("commit"),
         "platform": platform.platform(),
         "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
         "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
-        "workload": {"keys": args.keys, "value_bytes": [args.min_value, args.max_value],
-                     "write_fraction": args.write_fraction, "file_budget_bytes": args.file_budget},
+        "workload": {"procs": args.procs, "seconds": args.seconds, "keys": args.keys,
+                     "value_bytes": [args.min_value, args.max_value], "write_fraction": args.write_fraction,
+                     "file_budget_bytes": args.file_budget},
         "results": results,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
+    if out.resolve() == RESULTS.resolve():
+        update_section("store_concurrency", markdown_report(report))
     print(markdown_table(results))
     bad = sum(r["corrupt_reads"] + r["store_corrupt"] for r in results)
     return 1 if bad else 0
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The BENCHMARKS.md section for one run."""
+    w = report["workload"]
+    servers = ", ".join(f"{name} {report[key]}" for name, key in (("redis-server", "redis_server"),
+                                                                    ("valkey-server", "valkey_server")) if report[key])
+    load = report["load_avg_1_5_15_before"][0], report["load_avg_1_5_15_after"][0]
+    budget = (f", file budget {w['file_budget_bytes'] >> 20} MiB (below the working set, so eviction runs throughout)"
+              if any(r["store"] == "file" for r in report["results"]) else "")
+    return f"""### Store concurrency: file, one server, 3-master cluster (issues 5 and 19)
+
+`{report["command"]}` — {report["date"]}, {report["cpu"]} ({report["cpus"]} cores), Python {report["python"]},
+redis-py {report["redis_py"]}, {servers}, commit {report["commit"]}.
+{w["procs"]} processes, {w["seconds"]:g} s per store, {w["keys"]} overlapping keys, values
+{w["value_bytes"][0] >> 10}–{w["value_bytes"][1] >> 10} KiB, {w["write_fraction"]:.0%} puts{budget}. Each store ran
+alone, one after the other, in the same run. A cluster is three masters (no replicas) on this same machine, started by the script:
+its figures are the client's slot routing plus three server processes sharing the same cores, not three machines'
+capacity. The machine was shared with other jobs (1-minute load average {load[0]} before, {load[1]} after): the
+figures are a floor, not a capability, and comparable only within this run.
+
+{markdown_table(report["results"])}
+
+Results: `benchmarks/results/store_concurrency.json`."""
 
 
 def benchmark(
