@@ -311,11 +311,12 @@ def markdown_report(report: dict[str, Any]) -> str:
 `{report["command"]}` — {report["date"]}, {report["cpu"]} ({report["cpus"]} cores), Python {report["python"]},
 redis-py {report["redis_py"]}, {servers}, commit {report["commit"]}.
 {w["procs"]} processes, {w["seconds"]:g} s per store, {w["keys"]} overlapping keys, values
-{w["value_bytes"][0] >> 10}–{w["value_bytes"][1] >> 10} KiB, {w["write_fraction"]:.0%} puts{budget}. Each store ran
-alone, one after the other, in the same run. A cluster is three masters (no replicas) on this same machine, started by the script:
-its figures are the client's slot routing plus three server processes sharing the same cores, not three machines'
-capacity. The machine was shared with other jobs (1-minute load average {load[0]} before, {load[1]} after): the
-figures are a floor, not a capability, and comparable only within this run.
+{w["value_bytes"][0] >> 10}–{w["value_bytes"][1] >> 10} KiB, {w["write_fraction"]:.0%} puts{budget}.
+Each store ran alone, one after the other, in the same run. A cluster is three masters (no replicas) on this
+same machine, started by the script: its figures are the client's slot routing plus three server processes
+sharing the same cores, not three machines' capacity. The machine was shared with other jobs (1-minute load
+average {load[0]} before, {load[1]} after): the figures are a floor, not a capability, comparable only within
+this run.
 
 {markdown_table(report["results"])}
 

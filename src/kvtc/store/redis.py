@@ -188,8 +188,9 @@ class RedisStore(Store):
             if self._map_version != seen_version:
                 return True  # another thread has just read it
             now = time.monotonic()
-            if self._slots is not None and (now < self._next_map_read or now - self._last_map_read < MIN_MAP_INTERVAL_S):
-                return False
+            recent = self._slots is not None and now - self._last_map_read < MIN_MAP_INTERVAL_S
+            if recent or now < self._next_map_read:
+                return False  # read moments ago, or no node answered moments ago
             self._last_map_read = now
             known = list(self._nodes)
         candidates = list(dict.fromkeys([*self._seeds, *known]))
@@ -254,7 +255,7 @@ class RedisStore(Store):
 
     def _pipeline(self, node: _Node | None, op: str, commands: list[tuple]) -> list[Any]:
         if node is None or time.monotonic() < node.down_until:
-            if node is None:
+            if node is None and self._slots is not None:
                 self._warn("no-owner", "kvtc.store: no Redis Cluster master serves some keys of %s; serving misses",
                            self.address)
             return [_UNSERVED] * len(commands)

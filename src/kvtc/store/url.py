@@ -56,7 +56,8 @@ def open_store(url: str, namespace: str) -> Store:
         scheme = parts.scheme.lower()
         pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as e:
-        raise StoreError(f"store URL {url!r} is malformed ({e}); use scheme://host/path?name=value&name=value") from None
+        raise StoreError(f"store URL {url!r} is malformed ({e}); "
+                         "use scheme://host/path?name=value&name=value") from None
     options = dict(pairs)
     if len(options) != len(pairs):
         raise StoreError(f"store URL {url!r} gives an option twice")
@@ -131,6 +132,8 @@ def _host_port(url: str, item: str) -> tuple[str, int]:
         port_text = rest[1:] if rest else ""
     else:
         host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
+        if ":" in host:
+            raise StoreError(f"redis store URL {url!r}: write an IPv6 address in brackets, as in [::1]:6379")
     if port_text == "":
         port = DEFAULT_REDIS_PORT
     elif port_text.isascii() and port_text.isdigit() and len(port_text) <= 5 and 1 <= int(port_text) <= 65535:
