@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file-budget", type=int, default=DEFAULT_FILE_BUDGET, help="file store max_bytes")
     ap.add_argument("--file-root", default=None, help="directory for the file store (default: a temp dir)")
     ap.add_argument("--redis-url", default=None, help="use this server instead of starting one")
+    ap.add_argument("--masters", type=int, default=3, help="masters of the *-cluster stores")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         stores=args.stores.split(","), procs=args.procs, seconds=args.seconds, keys=args.keys,
         min_value=args.min_value, max_value=args.max_value, write_fraction=args.write_fraction,
         file_budget=args.file_budget, file_root=args.file_root, redis_url=args.redis_url, seed=args.seed,
+        masters=args.masters,
     )
     import redis
 
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
         "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
-        "workload": {"procs": args.procs, "seconds": args.seconds, "keys": args.keys,
+        "workload": {"procs": args.procs, "cluster_masters": args.masters, "seconds": args.seconds, "keys": args.keys,
                      "value_bytes": [args.min_value, args.max_value], "write_fraction": args.write_fraction,
                      "file_budget_bytes": args.file_budget},
         "results": results,
@@ -304,17 +306,18 @@ def markdown_report(report: dict[str, Any]) -> str:
     servers = ", ".join(f"{name} {report[key]}" for name, key in (("redis-server", "redis_server"),
                                                                     ("valkey-server", "valkey_server")) if report[key])
     load = report["load_avg_1_5_15_before"][0], report["load_avg_1_5_15_after"][0]
+    m = w.get("cluster_masters", 3)
     budget = (f", file budget {w['file_budget_bytes'] >> 20} MiB (below the working set, so eviction runs throughout)"
               if any(r["store"] == "file" for r in report["results"]) else "")
-    return f"""### Store concurrency: file, one server, 3-master cluster (issues 5 and 19)
+    return f"""### Store concurrency: file, one server, {m}-master cluster (issues 5 and 19)
 
 `{report["command"]}` — {report["date"]}, {report["cpu"]} ({report["cpus"]} cores), Python {report["python"]},
 redis-py {report["redis_py"]}, {servers}, commit {report["commit"]}.
 {w["procs"]} processes, {w["seconds"]:g} s per store, {w["keys"]} overlapping keys, values
 {w["value_bytes"][0] >> 10}–{w["value_bytes"][1] >> 10} KiB, {w["write_fraction"]:.0%} puts{budget}.
-Each store ran alone, one after the other, in the same run. A cluster is three masters (no replicas) on this
-same machine, started by the script: its figures are the client's slot routing plus three server processes
-sharing the same cores, not three machines' capacity. The machine was shared with other jobs (1-minute load
+Each store ran alone, one after the other, in the same run. A cluster is {m} masters (no replicas) on this
+same machine, started by the script: its figures are the client's slot routing plus {m} server processes
+sharing the same cores, not {m} machines' capacity. The machine was shared with other jobs (1-minute load
 average {load[0]} before, {load[1]} after): the figures are a floor, not a capability, comparable only within
 this run.
 
@@ -336,6 +339,7 @@ def benchmark(
     redis_url: str | None = None,
     seed: int = 0,
     warmup: float = 1.0,
+    masters: int = 3,
 ) -> list[dict[str, Any]]:
     """Run the workload on each store in turn; returns one result dict per store."""
     cfg = {"procs": procs, "seconds": seconds, "keys": keys, "min_value": min_value, "max_value": max_value,
@@ -359,7 +363,8 @@ def benchmark(
             from redis_server import LocalCluster, RedisServer
 
             server_kind = kind.split("-")[0]
-            with (LocalCluster(3, server_kind) if kind.endswith("-cluster") else RedisServer(kind=server_kind)) as srv:
+            server = LocalCluster(masters, server_kind) if kind.endswith("-cluster") else RedisServer(kind=server_kind)
+            with server as srv:
                 results.append(run_store(kind, srv.url, namespace, cfg))
         else:
             raise SystemExit(f"unknown store {kind!r}: use file, {', '.join(SERVER_KINDS)} (memory:// is per process)")
