@@ -294,7 +294,7 @@ def own_redis_server() -> Iterator[RedisServer]:
         yield server
 
 
-def _whole(cluster: LocalCluster) -> str:
+def whole_cluster_url(cluster: LocalCluster) -> str:
     """The cluster with every node running (a test may have killed one), emptied; its URL."""
     if any(node.process is None for node in cluster.nodes):
         for node in cluster.nodes:
@@ -322,5 +322,5 @@ def valkey_cluster() -> Iterator[LocalCluster]:
 def local_cluster(request: pytest.FixtureRequest) -> LocalCluster:
     """The module's Redis or Valkey cluster, every node running, emptied before the test."""
     cluster = request.getfixturevalue(f"{request.param}_cluster")
-    _whole(cluster)
+    whole_cluster_url(cluster)
     return cluster

@@ -23,12 +23,12 @@ from kvtc.store import FileStore, MemoryStore, RedisStore, Store, entry_id, open
 from kvtc.store.base import HEADER_SIZE
 from redis_server import (  # noqa: F401  (pytest fixtures)
     RedisServer,
-    _whole,
     own_redis_server,
     redis_cluster,
     redis_server,
     redis_url,
     valkey_cluster,
+    whole_cluster_url,
 )
 
 NS_A = "HuggingFaceTB/SmolLM2-135M:calib-aaaa"
@@ -46,7 +46,7 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Calla
     if request.param == "redis":
         base = request.getfixturevalue("redis_url")
     elif request.param.endswith("-cluster"):
-        base = _whole(request.getfixturevalue(request.param.replace("-", "_")))
+        base = whole_cluster_url(request.getfixturevalue(request.param.replace("-", "_")))
     elif request.param == "file":
         base = f"file://{tmp_path}/store"
     else:

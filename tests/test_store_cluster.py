@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -159,3 +160,29 @@ def test_master_killed_under_four_processes(local_cluster: LocalCluster) -> None
     assert dead_down and not any(dead_down)  # its data died with it: only misses, and no exception
     assert dead_after and any(dead_after), len(dead_after)
     assert result["store_errors"] > 0 and result["put_failures"] > 0
+
+
+def test_hung_master_costs_one_timeout_per_retry_interval(local_cluster: LocalCluster) -> None:
+    """A master that stops answering (SIGSTOP: connections stay open, replies never come) costs its keys one socket
+    timeout, then misses without waiting until `retry_interval` has passed; the other masters keep hitting."""
+    store = open_store(local_cluster.url + "?timeout=0.3&retry_interval=2", NS)
+    keys = [f"chunk-{i}" for i in range(30)]
+    items = {k: k.encode() for k in keys}
+    assert all(store.put_many(items).values())
+    owners = _owners(local_cluster, store, keys)
+    expected = {k: (None if owners[k] == 1 else items[k]) for k in keys}
+    process = local_cluster.nodes[1].process
+    process.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        assert store.get_many(keys) == expected
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(10):
+            assert store.get_many(keys) == expected
+        later = time.perf_counter() - t0
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert 0.25 < first < 1.5 and later < 0.5, (first, later)
+    time.sleep(2.1)
+    assert store.get_many(keys) == items  # answered again: every key hits

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvtc.errors import StoreError
 from kvtc.store import FileStore, RedisStore, Store, open_store, seal
-from redis_server import _whole, redis_cluster, redis_server, redis_url  # noqa: F401  (pytest fixtures)
+from redis_server import redis_cluster, redis_server, redis_url, whole_cluster_url  # noqa: F401  (fixtures)
 
 NS = "model:calibration"
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -126,7 +126,7 @@ def planted(request: pytest.FixtureRequest) -> tuple[str, Callable[[str, str, by
         client = redis.Redis.from_url(url)
         return url, lambda name, kind, data: _plant(client, name, kind, data)
     cluster = request.getfixturevalue("redis_cluster")
-    url = _whole(cluster)
+    url = whole_cluster_url(cluster)
 
     def plant(name: str, kind: str, data: bytes) -> None:
         with cluster.client(cluster.owner(name.encode())) as c:
