@@ -34,6 +34,7 @@ from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..layout import KVLayout, PCAGrouping
 from ..quant import DROP, FP8, INT2, INT4
 from .dp import Plan
+from .meta import parse_json, validate_meta
 from .pca import PCAResult
 
 FORMAT_NAME = "kvtc-calibration"
@@ -287,22 +288,22 @@ class Calibration:
     def from_bytes(cls, data: bytes) -> Calibration:
         from safetensors.torch import load
 
-        try:
-            tensors = load(data)
-        except Exception as e:  # safetensors raises several types for garbage input
-            raise CalibrationError(f"not a calibration: {e}") from None
-        # metadata: read it from the header (safetensors.torch.load drops it)
+        # metadata first, read from the header (safetensors.torch.load drops it), validated before the tensors
         if len(data) < 8:
             raise CalibrationError("not a calibration: too short")
         n = int.from_bytes(data[:8], "little")
         if n > min(len(data) - 8, MAX_META_BYTES):
             raise CalibrationError("not a calibration: bad header length")
         try:
-            header = json.loads(data[8 : 8 + n])
+            header = parse_json(data[8 : 8 + n], "<bytes>")
             meta_raw = header["__metadata__"]["kvtc"]
-        except (ValueError, KeyError, TypeError):
+        except (KeyError, TypeError):
             raise CalibrationError("not a kvtc calibration (no kvtc metadata)") from None
         meta = _parse_meta(meta_raw, "<bytes>")
+        try:
+            tensors = load(data)
+        except Exception as e:  # safetensors raises several types for garbage input
+            raise CalibrationError(f"not a calibration: {e}") from None
         if set(tensors) != _expected_tensor_names(meta):
             raise CalibrationError("calibration tensors do not match its metadata")
         return cls.from_parts(meta, tensors, source="<bytes>")
@@ -405,17 +406,10 @@ def _short(layers: tuple[int, ...]) -> str:
 
 
 def _parse_meta(raw: str, source: Any) -> dict[str, Any]:
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise CalibrationError(f"{source}: calibration metadata is not valid JSON; recreate the file") from None
+    meta = parse_json(raw, source)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CalibrationError(f"{source} is not a kvtc calibration")
-    if meta.get("version") not in READ_VERSIONS:
-        raise CalibrationError(
-            f"{source}: calibration format version {meta.get('version')} is not supported by this kvtc "
-            f"(reads versions {', '.join(map(str, READ_VERSIONS))}); upgrade kvtc or recalibrate"
-        )
+    validate_meta(meta, source, READ_VERSIONS)
     scaled = any(isinstance(i, dict) and i.get("scaled") for k in KINDS for i in (meta.get("pca") or {}).get(k, []))
     if scaled and meta.get("version") < 2:
         raise CalibrationError(f"{source}: feature scales in a version-1 calibration; the file is corrupt")

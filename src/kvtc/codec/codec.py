@@ -132,6 +132,7 @@ class Codec:
         packing: str = "bits",
         device: torch.device | str = "cpu",
         precision: str = "fp32",
+        max_decoded_bytes: int = container.DEFAULT_MAX_DECODED_BYTES,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
@@ -147,6 +148,8 @@ class Codec:
         self.backend, self.packing = backend, packing
         self.device = torch.device(device)
         self.precision = precision
+        #: a blob declaring more decoded bytes than this (or more than it can honestly hold) is refused
+        self.max_decoded_bytes = int(max_decoded_bytes)
         self._fused = self.device.type == "cuda" and kernels.available(self.device)
         self._fp8 = self._fused and precision == "fp8"
         if self._fp8 and torch.cuda.get_device_capability(self.device) < (8, 9):
@@ -393,6 +396,7 @@ class Codec:
             pinned = blob if blob.is_pinned() else None
             blob = memoryview(blob.numpy())
         header, body = container.read_header(blob)
+        container.check_budget(header, len(blob), self.max_decoded_bytes)
         if header.mode == "kvtc":
             cal = self.calibration
             if cal is None or header.calibration != cal.hash:

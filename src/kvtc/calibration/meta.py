@@ -1,0 +1,227 @@
+"""Strict validation of a calibration file's metadata, before anything is built from it.
+
+A calibration may come from anywhere (a shared drive, a peer, a download), and its JSON metadata is read before
+the file's content hash can be checked. :func:`validate_meta` checks every field's type and range in time
+linear in the metadata's size and allocates nothing proportional to the sizes it declares, so a hostile file
+(deep nesting, wrong types, NaN or huge numbers, a million declared layers) is a :class:`CalibrationError`
+rather than a ``RecursionError``, ``MemoryError`` or a long stall. Free-form fields (``corpus``, ``stats``) may
+hold any JSON of bounded depth.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..errors import CalibrationError
+from ..layout import DTYPES, PCAGrouping
+from ..quant import TYPE_NAMES
+
+#: what a calibration may declare (the largest served models are far below these)
+MAX_LAYERS = 1 << 12
+MAX_KV_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 13
+MAX_FEATURES = 1 << 24
+MAX_RATIOS = 1 << 10
+MAX_TEXT = 1 << 12
+MAX_DEPTH = 32
+MAX_SEGMENTS = 1 << 20
+
+_TOP = {"format", "version", "library_version", "layout", "grouping", "rope", "model_id", "corpus", "stats",
+        "pca", "plans", "hash"}
+_KINDS = ("keys", "values")
+
+
+def parse_json(raw: str | bytes, source: Any) -> Any:
+    """``json.loads`` that refuses NaN / Infinity and nesting too deep to walk, as a CalibrationError."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a number a calibration may hold")
+
+    try:
+        return json.loads(raw, parse_constant=no_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise CalibrationError(f"{source}: calibration metadata is not valid JSON ({str(e)[:80]}); recreate the file"
+                               ) from None
+
+
+def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
+    """Raise :class:`CalibrationError` (naming the field) unless ``meta`` is well-formed calibration metadata."""
+    where = f"{source}: calibration metadata"
+    if not isinstance(meta, dict):
+        raise CalibrationError(f"{where} must be a JSON object; the file is corrupt")
+    extra = set(meta) - _TOP
+    if extra:
+        raise CalibrationError(f"{where} has unknown fields {sorted(extra)[:4]}; the file is corrupt or from a newer kvtc")
+    version = _int(meta.get("version"), f"{where} 'version'", 0, 1 << 16)
+    if version not in versions:
+        raise CalibrationError(
+            f"{source}: calibration format version {version} is not supported by this kvtc "
+            f"(reads versions {', '.join(map(str, versions))}); upgrade kvtc or recalibrate"
+        )
+    for name in ("library_version", "model_id"):
+        if name in meta:
+            _text(meta[name], f"{where} '{name}'")
+    if "hash" in meta and not (isinstance(meta["hash"], str) and len(meta["hash"]) == 64):
+        raise CalibrationError(f"{where} 'hash' must be a 64-digit hex string; the file is corrupt")
+    for name in ("corpus", "stats"):
+        if not isinstance(meta.get(name, {}), dict):
+            raise CalibrationError(f"{where} '{name}' must be an object; the file is corrupt")
+        _bounded_depth(meta.get(name, {}), f"{where} '{name}'")
+    if meta.get("rope") is not None:
+        if not isinstance(meta["rope"], dict):
+            raise CalibrationError(f"{where} 'rope' must be an object or null; the file is corrupt")
+        _bounded_depth(meta["rope"], f"{where} 'rope'")
+    layers, heads = _layout(meta.get("layout"), f"{where} 'layout'")
+    groups = _groups(meta.get("grouping"), layers, heads, f"{where} 'grouping'")
+    _pca(meta.get("pca"), groups, f"{where} 'pca'")
+    _plans(meta.get("plans"), groups, f"{where} 'plans'")
+
+
+def _int(x: Any, what: str, lo: int, hi: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+        raise CalibrationError(f"{what} must be an integer in [{lo}, {hi}], got {_show(x)}; the file is corrupt")
+    return x
+
+
+def _number(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or (isinstance(x, int) and abs(x) > 1 << 62):
+        raise CalibrationError(f"{what} must be a number, got {_show(x)}; the file is corrupt")
+    if not math.isfinite(x):
+        raise CalibrationError(f"{what} must be finite, got {x}; the file is corrupt")
+    return float(x)
+
+
+def _text(x: Any, what: str) -> str:
+    if not isinstance(x, str) or len(x) > MAX_TEXT:
+        raise CalibrationError(f"{what} must be a string of at most {MAX_TEXT} characters; the file is corrupt")
+    return x
+
+
+def _list(x: Any, what: str, most: int) -> list[Any]:
+    if not isinstance(x, list) or len(x) > most:
+        raise CalibrationError(f"{what} must be a list of at most {most} entries, got {_show(x)}; the file is corrupt")
+    return x
+
+
+def _show(x: Any) -> str:
+    if isinstance(x, (list, dict)):
+        return f"a {type(x).__name__} of {len(x)}"
+    text = repr(x) if not isinstance(x, int) or abs(x) < 1 << 64 else "a huge integer"
+    return text[:40]
+
+
+def _bounded_depth(x: Any, what: str) -> None:
+    """Walk a free-form JSON value iteratively; refuse nesting deeper than :data:`MAX_DEPTH`."""
+    stack = [(x, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CalibrationError(f"{what} is nested more than {MAX_DEPTH} levels deep; the file is corrupt")
+        if isinstance(v, dict):
+            stack.extend((w, depth + 1) for w in v.values())
+        elif isinstance(v, list):
+            stack.extend((w, depth + 1) for w in v)
+
+
+def _layout(d: Any, what: str) -> tuple[int, int]:
+    if not isinstance(d, dict) or set(d) != {"layers", "num_kv_heads", "head_dim", "heads", "dtype"}:
+        raise CalibrationError(f"{what} must be an object with layers, num_kv_heads, head_dim, heads and dtype")
+    layers = _list(d["layers"], f"{what} 'layers'", MAX_LAYERS)
+    prev = -1
+    for i in layers:
+        prev = _int(i, f"{what} 'layers' entries (ascending)", prev + 1, 1 << 20)
+    nkv = _int(d["num_kv_heads"], f"{what} 'num_kv_heads'", 1, MAX_KV_HEADS)
+    head_dim = _int(d["head_dim"], f"{what} 'head_dim'", 1, MAX_HEAD_DIM)
+    heads = _list(d["heads"], f"{what} 'heads'", nkv)
+    prev = -1
+    for h in heads:
+        prev = _int(h, f"{what} 'heads' entries (ascending, below num_kv_heads)", prev + 1, nkv - 1)
+    if not isinstance(d["dtype"], str) or d["dtype"] not in DTYPES:
+        raise CalibrationError(f"{what} 'dtype' must be one of {sorted(DTYPES)}, got {_show(d['dtype'])}")
+    if not layers or not heads or len(layers) * len(heads) * head_dim > MAX_FEATURES:
+        raise CalibrationError(f"{what} declares {len(layers)} layers x {len(heads)} heads x {head_dim}: "
+                               f"none, or more than {MAX_FEATURES} features; the file is corrupt")
+    return len(layers), len(heads)
+
+
+def _groups(d: Any, layers: int, heads: int, what: str) -> int:
+    if not isinstance(d, dict) or not set(d) <= {"kind", "size"}:
+        raise CalibrationError(f"{what} must be an object with kind and size")
+    kind = d.get("kind", "global")
+    if not isinstance(kind, str) or kind not in PCAGrouping.KINDS:
+        raise CalibrationError(f"{what} 'kind' must be one of {PCAGrouping.KINDS}, got {_show(kind)}")
+    size = _int(d.get("size", 1), f"{what} 'size'", 1, MAX_LAYERS * MAX_KV_HEADS)
+    if kind == "global":
+        return 1
+    if kind == "layers":
+        return -(-layers // size)
+    if heads % size:
+        raise CalibrationError(f"{what}: {heads} heads cannot be split into {size} shards; the file is corrupt")
+    return size
+
+
+def _pca(d: Any, groups: int, what: str) -> None:
+    if not isinstance(d, dict) or set(d) != set(_KINDS):
+        raise CalibrationError(f"{what} must have entries for keys and values")
+    for kind in _KINDS:
+        infos = _list(d[kind], f"{what} '{kind}'", groups)
+        if len(infos) != groups:
+            raise CalibrationError(f"{what} '{kind}' has {len(infos)} groups, the grouping implies {groups}")
+        for info in infos:
+            if not isinstance(info, dict) or not set(info) <= {"total_variance", "samples", "scaled"}:
+                raise CalibrationError(f"{what} '{kind}' entries must be objects of total_variance, samples, scaled")
+            if _number(info.get("total_variance"), f"{what} total_variance") < 0:
+                raise CalibrationError(f"{what} total_variance must be non-negative; the file is corrupt")
+            _int(info.get("samples"), f"{what} samples", 0, 1 << 62)
+            if not isinstance(info.get("scaled", False), bool):
+                raise CalibrationError(f"{what} 'scaled' must be true or false; the file is corrupt")
+
+
+def _plans(d: Any, groups: int, what: str) -> None:
+    if not isinstance(d, dict) or len(d) > MAX_RATIOS:
+        raise CalibrationError(f"{what} must be an object of at most {MAX_RATIOS} ratios")
+    segments = 0
+    for key, by_kind in d.items():
+        try:
+            ratio = float(key)
+        except ValueError:
+            ratio = math.nan
+        if not (len(key) <= 32 and math.isfinite(ratio) and ratio > 0):
+            raise CalibrationError(f"{what}: ratio {_show(key)} is not a positive number; the file is corrupt")
+        if not isinstance(by_kind, dict) or set(by_kind) != set(_KINDS):
+            raise CalibrationError(f"{what} '{key}' must have plans for keys and values")
+        for kind in _KINDS:
+            plans = _list(by_kind[kind], f"{what} '{key}' '{kind}'", groups)
+            if len(plans) != groups:
+                raise CalibrationError(f"{what} '{key}' '{kind}' has {len(plans)} plans for {groups} groups")
+            for plan in plans:
+                segments += _plan(plan, f"{what} '{key}' '{kind}'")
+                if segments > MAX_SEGMENTS:
+                    raise CalibrationError(f"{what} declare more than {MAX_SEGMENTS} segments; the file is corrupt")
+
+
+def _plan(p: Any, what: str) -> int:
+    if not isinstance(p, dict) or not {"segments", "predicted_error", "rows", "exact"} <= set(p) \
+            or not set(p) <= {"segments", "predicted_error", "rows", "exact", "clips"}:
+        raise CalibrationError(f"{what}: a bit plan must hold segments, predicted_error, rows, exact (and clips)")
+    segs = _list(p["segments"], f"{what} segments", MAX_SEGMENTS)
+    components = 0
+    for seg in segs:
+        if not isinstance(seg, list) or len(seg) != 3:
+            raise CalibrationError(f"{what}: a segment must be [size, type, repeat]; the file is corrupt")
+        size = _int(seg[0], f"{what} segment size", 1, MAX_FEATURES)
+        _int(seg[1], f"{what} segment type", 0, max(TYPE_NAMES))
+        if seg[1] not in TYPE_NAMES:
+            raise CalibrationError(f"{what}: unknown quantization type {seg[1]}; the file is corrupt")
+        components += size * _int(seg[2], f"{what} segment repeat", 1, MAX_FEATURES)
+        if components > MAX_FEATURES:
+            raise CalibrationError(f"{what}: the plan covers more than {MAX_FEATURES} components; the file is corrupt")
+    _number(p["predicted_error"], f"{what} predicted_error")
+    _int(p["rows"], f"{what} rows", 0, 1 << 62)
+    if not isinstance(p["exact"], bool):
+        raise CalibrationError(f"{what} 'exact' must be true or false; the file is corrupt")
+    for c in _list(p.get("clips", []), f"{what} clips", MAX_FEATURES):
+        if not 0 < _number(c, f"{what} clip") <= 1:
+            raise CalibrationError(f"{what}: clips must lie in (0, 1]; the file is corrupt")
+    return len(segs)
