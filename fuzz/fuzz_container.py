@@ -53,6 +53,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from common import hwm, reset_hwm  # noqa: E402
+
 TIME_LIMIT_S = 1.0
 #: watchdog: an input still running after this long is written out and the process exits
 HANG_S = 20.0
@@ -142,29 +144,6 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_HWM = re.compile(rb"VmHWM:\s+(\d+) kB")
-_CLEAR_REFS_OK: list[bool] = []
-
-
-def _reset_hwm() -> bool:
-    if _CLEAR_REFS_OK == [False]:
-        return False
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        _CLEAR_REFS_OK[:] = [True]
-    except OSError:
-        _CLEAR_REFS_OK[:] = [False]
-        return False
-    return True
-
-
-def _hwm() -> int:
-    with open("/proc/self/status", "rb") as f:
-        m = _HWM.search(f.read())
-    return int(m.group(1)) * 1024 if m else 0
-
-
 def alloc_bounds(data: bytes, header: Any) -> tuple[int, int | None]:
     """(traced-Python bound, RSS-growth bound or None) for one input, from its validated header.
 
@@ -205,8 +184,8 @@ def check_input(data: bytes, measure_rss: bool = True, all_targets: bool = True)
                 results[name] = "ok"
                 if name == "read_header":
                     header = r[0]
-                    if measure_rss and _reset_hwm():
-                        rss0 = _hwm()
+                    if measure_rss:
+                        rss0 = reset_hwm()
             except KVTCError as e:
                 results[name] = type(e).__name__
                 if name == "read_header" and not all_targets:
@@ -221,7 +200,7 @@ def check_input(data: bytes, measure_rss: bool = True, all_targets: bool = True)
     finally:
         if not tracing:
             tracemalloc.stop()
-    rss_growth = _hwm() - rss0 if rss0 is not None else None
+    rss_growth = hwm() - rss0 if rss0 is not None else None
     py_bound, rss_bound = alloc_bounds(data, header)
     out = Outcome(results, header is not None, slowest, seconds, py_peak, py_bound, rss_growth,
                   rss_bound if rss0 else None)
