@@ -192,6 +192,10 @@ def render(result: dict[str, Any]) -> str:
                     f"| {_n(c.get('hangs', 0))} | {_others(c)} | {f'{slow:.3f} s' if slow is not None else '-'} |")
         for s in c.get("skipped", []):
             notes.append(f"{name}: skipped {s}")
+        by = list(c.get("violations_by_mutator", {}).items())
+        if by:
+            notes.append(f"{name} violations by input kind: " + ", ".join(f"{k} {_n(n)}" for k, n in by[:10])
+                         + (f" and {len(by) - 10} more kinds" if len(by) > 10 else ""))
         if name == "store" and c.get("redis_server"):
             notes.append(f"store: real-server part against redis-server {c['redis_server']}")
     v = result.get("versions", {})

@@ -92,6 +92,7 @@ class Tally:
     slowest_s: float = 0.0
     slowest_what: str = ""
     peak_rss_growth: int = 0
+    violations_by_mutator: Counter = field(default_factory=Counter)
     skipped: list[str] = field(default_factory=list)
     parts: Counter = field(default_factory=Counter)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +111,7 @@ class Tally:
         if violation is not None:
             kind, detail = violation
             self.violations[kind] += 1
+            self.violations_by_mutator[f"{kind} in {part}:{mutator}"] += 1
             if sum(1 for e in self.examples if e["kind"] == kind) < 10 and len(self.examples) < 40:
                 self.examples.append({"kind": kind, "part": part, "mutator": mutator, "input": what[:2000],
                                       "detail": detail[-3000:]})
@@ -130,6 +132,7 @@ class Tally:
             "violation_count": sum(self.violations.values()),
             "untyped_exceptions": untyped,
             "hangs": self.violations.get("hang", 0),
+            "violations_by_mutator": dict(self.violations_by_mutator.most_common()),
             "violation_examples": self.examples,
             "slowest_input_s": round(self.slowest_s, 4),
             "slowest_input": self.slowest_what,
