@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         own = getattr(args, f"{name}_runs")
         runs[name] = own if own is not None else args.runs_per_campaign if args.runs_per_campaign is not None else n
     sys.path.insert(0, str(HERE))
-    from common import versions
+    from common import scrub, versions
 
     result = run_campaigns(runs, args.procs, args.seed, args.cli_hang_s, not args.no_real_server)
     shown = ["python", "fuzz/campaign.py", *(argv if argv is not None else sys.argv[1:])]
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {c.get('inputs', 0):,} inputs, violations {c.get('violations')}, "
               f"untyped {c.get('untyped_exceptions')}, hangs {c.get('hangs')}", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    args.out.write_text(scrub(json.dumps(result, indent=1, default=str)) + "\n")
     table = render(result)
     if not args.no_benchmarks:
         write_benchmarks(args.benchmarks, table)

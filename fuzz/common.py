@@ -160,8 +160,20 @@ def versions() -> dict[str, str]:
     return out
 
 
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def scrub(text: str) -> str:
+    """``text`` without this machine's paths: the checkout, temp dirs and the Python installation."""
+    import tempfile
+
+    text = text.replace(str(_ROOT) + "/", "")
+    text = re.sub(re.escape(tempfile.gettempdir()) + r"/kvtc-[\w.-]+", "<tmp>", text)
+    return re.sub(r'"/[^"\n]*?/lib/python3\.\d+/', '"<python>/', text)
+
+
 def write_summary(summary: dict[str, Any], out: Path | None) -> str:
-    text = json.dumps(summary, indent=1, default=str)
+    text = scrub(json.dumps(summary, indent=1, default=str))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
