@@ -27,6 +27,9 @@ MAX_RATIOS = 1 << 10
 MAX_TEXT = 1 << 12
 MAX_DEPTH = 32
 MAX_SEGMENTS = 1 << 20
+#: JSON values (counted by their separators before parsing: parsing is the costly step) in the metadata; the
+#: default calibration of a 30-layer model holds a few thousand, a per-layer one of a 126-layer model ~0.7 M
+MAX_VALUES = 1 << 20
 
 _TOP = {"format", "version", "library_version", "layout", "grouping", "rope", "model_id", "corpus", "stats",
         "pca", "plans", "hash"}
@@ -38,8 +41,13 @@ def parse_json(raw: str | bytes, source: Any) -> Any:
     def no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not a number a calibration may hold")
 
+    text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8", "replace")
+    values = text.count(",") + text.count(":")
+    if values > MAX_VALUES:
+        raise CalibrationError(f"{source}: calibration metadata holds about {values} values, more than the "
+                               f"{MAX_VALUES} any calibration needs; the file is corrupt or hostile")
     try:
-        return json.loads(raw, parse_constant=no_constant)
+        return json.loads(text, parse_constant=no_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise CalibrationError(f"{source}: calibration metadata is not valid JSON ({str(e)[:80]}); recreate the file"
                                ) from None
@@ -72,10 +80,10 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
         if not isinstance(meta["rope"], dict):
             raise CalibrationError(f"{where} 'rope' must be an object or null; the file is corrupt")
         _bounded_depth(meta["rope"], f"{where} 'rope'")
-    layers, heads = _layout(meta.get("layout"), f"{where} 'layout'")
-    groups = _groups(meta.get("grouping"), layers, heads, f"{where} 'grouping'")
+    layers, heads, head_dim = _layout(meta.get("layout"), f"{where} 'layout'")
+    groups, width = _groups(meta.get("grouping"), layers, heads, head_dim, f"{where} 'grouping'")
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
-    _plans(meta.get("plans"), groups, f"{where} 'plans'")
+    _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
 
 
 def _int(x: Any, what: str, lo: int, hi: int) -> int:
@@ -124,7 +132,7 @@ def _bounded_depth(x: Any, what: str) -> None:
             stack.extend((w, depth + 1) for w in v)
 
 
-def _layout(d: Any, what: str) -> tuple[int, int]:
+def _layout(d: Any, what: str) -> tuple[int, int, int]:
     if not isinstance(d, dict) or set(d) != {"layers", "num_kv_heads", "head_dim", "heads", "dtype"}:
         raise CalibrationError(f"{what} must be an object with layers, num_kv_heads, head_dim, heads and dtype")
     layers = _list(d["layers"], f"{what} 'layers'", MAX_LAYERS)
@@ -142,10 +150,11 @@ def _layout(d: Any, what: str) -> tuple[int, int]:
     if not layers or not heads or len(layers) * len(heads) * head_dim > MAX_FEATURES:
         raise CalibrationError(f"{what} declares {len(layers)} layers x {len(heads)} heads x {head_dim}: "
                                f"none, or more than {MAX_FEATURES} features; the file is corrupt")
-    return len(layers), len(heads)
+    return len(layers), len(heads), head_dim
 
 
-def _groups(d: Any, layers: int, heads: int, what: str) -> int:
+def _groups(d: Any, layers: int, heads: int, head_dim: int, what: str) -> tuple[int, int]:
+    """The number of PCA groups the grouping implies and the widest group's feature count."""
     if not isinstance(d, dict) or not set(d) <= {"kind", "size"}:
         raise CalibrationError(f"{what} must be an object with kind and size")
     kind = d.get("kind", "global")
@@ -153,12 +162,12 @@ def _groups(d: Any, layers: int, heads: int, what: str) -> int:
         raise CalibrationError(f"{what} 'kind' must be one of {PCAGrouping.KINDS}, got {_show(kind)}")
     size = _int(d.get("size", 1), f"{what} 'size'", 1, MAX_LAYERS * MAX_KV_HEADS)
     if kind == "global":
-        return 1
+        return 1, layers * heads * head_dim
     if kind == "layers":
-        return -(-layers // size)
+        return -(-layers // size), min(size, layers) * heads * head_dim
     if heads % size:
         raise CalibrationError(f"{what}: {heads} heads cannot be split into {size} shards; the file is corrupt")
-    return size
+    return size, layers * (heads // size) * head_dim
 
 
 def _pca(d: Any, groups: int, what: str) -> None:
@@ -178,7 +187,7 @@ def _pca(d: Any, groups: int, what: str) -> None:
                 raise CalibrationError(f"{what} 'scaled' must be true or false; the file is corrupt")
 
 
-def _plans(d: Any, groups: int, what: str) -> None:
+def _plans(d: Any, groups: int, width: int, what: str) -> None:
     if not isinstance(d, dict) or len(d) > MAX_RATIOS:
         raise CalibrationError(f"{what} must be an object of at most {MAX_RATIOS} ratios")
     segments = 0
@@ -196,12 +205,12 @@ def _plans(d: Any, groups: int, what: str) -> None:
             if len(plans) != groups:
                 raise CalibrationError(f"{what} '{key}' '{kind}' has {len(plans)} plans for {groups} groups")
             for plan in plans:
-                segments += _plan(plan, f"{what} '{key}' '{kind}'")
+                segments += _plan(plan, width, f"{what} '{key}' '{kind}'")
                 if segments > MAX_SEGMENTS:
                     raise CalibrationError(f"{what} declare more than {MAX_SEGMENTS} segments; the file is corrupt")
 
 
-def _plan(p: Any, what: str) -> int:
+def _plan(p: Any, width: int, what: str) -> int:
     if not isinstance(p, dict) or not {"segments", "predicted_error", "rows", "exact"} <= set(p) \
             or not set(p) <= {"segments", "predicted_error", "rows", "exact", "clips"}:
         raise CalibrationError(f"{what}: a bit plan must hold segments, predicted_error, rows, exact (and clips)")
@@ -215,8 +224,9 @@ def _plan(p: Any, what: str) -> int:
         if seg[1] not in TYPE_NAMES:
             raise CalibrationError(f"{what}: unknown quantization type {seg[1]}; the file is corrupt")
         components += size * _int(seg[2], f"{what} segment repeat", 1, MAX_FEATURES)
-        if components > MAX_FEATURES:
-            raise CalibrationError(f"{what}: the plan covers more than {MAX_FEATURES} components; the file is corrupt")
+        if components > width:
+            raise CalibrationError(f"{what}: the plan covers more components than its group's {width} features; "
+                                   "the file is corrupt")
     _number(p["predicted_error"], f"{what} predicted_error")
     _int(p["rows"], f"{what} rows", 0, 1 << 62)
     if not isinstance(p["exact"], bool):
