@@ -328,7 +328,12 @@ def _interp(points: Sequence[dict[str, Any]], ratio: float) -> float:
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's acceptance checks, computed from a result (``None`` where the run lacks the data)."""
+    """The evaluation's acceptance checks, computed from a result (absent where the run lacks the data).
+
+    kvtc at 16x / 32x achieves its target with at most +1.5 % / +4 % perplexity; kvtc at (at least) 8x loses
+    no more than KIVI 4-bit at 3.2x; the kvtc curve lies below every baseline's wherever both have points;
+    retrieval at 16x loses at most one of 50 or more prompts against the exact cache; the whole run takes at
+    most 30 minutes. The ablations' figures are gathered beside them (no pass/fail)."""
     rows = {r["method"]: r for r in result.get("storage_roundtrip", [])}
     kv = sorted((r for r in rows.values() if r["curve"] == "kvtc"), key=lambda r: r["ratio"])
     checks: dict[str, Any] = {}
@@ -345,7 +350,6 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
     # kvtc's best-quality point that still stores at least 8x less: the smallest achieved ratio >= 8
     at8 = next((r for r in kv if r["ratio"] >= 8.0), None)
     if kivi4 and at8:
-        # the issue's bar: kvtc at (at least) 8x loses no more than KIVI 4-bit at 3.2x
         checks["kvtc_8x_vs_kivi4"] = {"kivi4_ratio": kivi4["ratio"], "kivi4_delta_ppl_pct": kivi4["delta_ppl_pct"],
                                       "kvtc_method": at8["method"], "kvtc_ratio": at8["ratio"],
                                       "kvtc_delta_ppl_pct": at8["delta_ppl_pct"],
