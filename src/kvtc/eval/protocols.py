@@ -20,8 +20,9 @@ import dataclasses
 import math
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache

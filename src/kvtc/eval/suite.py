@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -341,11 +342,11 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
     def kvtc_at(target: float) -> dict[str, Any] | None:
         return next((r for r in kv if r.get("target") == target), None)
 
-    for target, bar in ((16.0, 1.5), (32.0, 4.0)):
+    for target, limit in ((16.0, 1.5), (32.0, 4.0)):
         r = kvtc_at(target)
         if r:
             checks[f"kvtc_{target:g}x"] = {"ratio": r["ratio"], "delta_ppl_pct": r["delta_ppl_pct"],
-                                            "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= bar}
+                                            "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= limit}
     kivi4 = rows.get("KIVI 4-bit")
     # kvtc's best-quality point that still stores at least 8x less: the smallest achieved ratio >= 8
     at8 = next((r for r in kv if r["ratio"] >= 8.0), None)
