@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export KVTC_CACHE ?= $(CURDIR)/.cache
 STAMP := $(VENV)/.kvtc-installed
 
-.PHONY: demo test install assets clean-venv
+.PHONY: demo test lint install assets clean-venv
 
 $(STAMP): pyproject.toml requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ demo: assets
 test: assets
 	scripts/ensure_redis.sh
 	$(PY) -m pytest -q -ra
+
+# ruff comes with the test requirements
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean-venv:
 	rm -rf $(VENV)

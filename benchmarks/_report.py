@@ -23,7 +23,7 @@ def machine() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": _cpu_name(),

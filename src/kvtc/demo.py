@@ -1,43 +1,52 @@
 """``kvtc demo``: the whole story on the embedded default, offline.
 
 Calibrate SmolLM2-135M-Instruct on the pre-2000 State of the Union speeches if no default calibration is
-cached; take a held-out document (a speech from 2000 on, or a Wikipedia article); prefill its first
-``--context`` tokens; compress the cache at each target ratio, save it to disk, read it back, restore it and
-continue. For each ratio: bf16 size, compressed size, achieved ratios, restore + first-token time against
-recomputing the prefix, perplexity of the next ``--score`` tokens of the document (teacher-forced) with the
-exact and the restored cache, top-1 agreement between the two, and the first greedy lines of both.
-Writes ``kvtc-demo.md`` (the table), ``kvtc-demo.json`` and ``kvtc-demo.png`` (ratio against quality) into
-``--out``.
+cached; take a held-out document (a speech from 2000 on, or a Wikipedia article) and cut a window of
+``--context`` + ``--score`` tokens from it. Quality comes from ``kvtc eval``'s storage round trip
+(:func:`kvtc.eval.protocols.storage_roundtrip`): the context's cache is compressed at each target ratio, the
+blob is saved to a file and read back, decoded, and the next ``--score`` tokens of the document are fed on top
+of it (teacher-forced) against the exact cache. Then each file is restored with
+:func:`~kvtc.integrations.hf_cache.restore_cache` and continued greedily, timing restore + first token
+against recomputing the prefix. For each ratio: bf16 size, compressed size, achieved ratios, those times,
+perplexity of the document's continuation with the exact and the restored cache, top-1 agreement between the
+two, and the first greedy lines of both. Writes ``kvtc-demo.md`` (the table), ``kvtc-demo.json`` and
+``kvtc-demo.png`` (ratio against quality) into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .errors import KVTCError
+from .progress import StageTimer, bar
+
 #: the table's ratios, the paper's headline range
 DEFAULT_RATIOS = (8.0, 16.0, 32.0)
 DEFAULT_CONTEXT = 2048
-#: teacher-forced tokens scored after the context
+#: teacher-forced tokens fed after the context (each but the last predicts the next one, which is scored)
 DEFAULT_SCORE = 256
 #: greedy tokens shown for the exact and each restored cache
 DEFAULT_GENERATE = 40
 DEFAULT_OUT = Path("out")
 HELD_OUT = ("sotu-2000on", "wikipedia")
+#: the storage dtype of the files, as :func:`~kvtc.integrations.hf_cache.compress_cache` writes them
+STORAGE_DTYPE = "bfloat16"
+#: attention sinks and recent window kept exact (the codec's defaults)
+SINKS, WINDOW = 4, 128
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default %(default)s/)")
     p.add_argument("--ratios", type=float, nargs="+", default=list(DEFAULT_RATIOS))
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="context tokens (default %(default)s)")
-    p.add_argument("--score", type=int, default=DEFAULT_SCORE, help="teacher-forced tokens scored after it")
+    p.add_argument("--score", type=int, default=DEFAULT_SCORE, help="teacher-forced tokens fed after it")
     p.add_argument("--generate", type=int, default=DEFAULT_GENERATE, help="greedy tokens shown per cache")
     p.add_argument("--document", choices=HELD_OUT, default=HELD_OUT[0], help="held-out text (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="which held-out window")
@@ -51,127 +60,104 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .errors import CalibrationError
     from .integrations.hf_calibrate import DEFAULT_TOKENS, default_calibration
 
-    stages: dict[str, float] = {}
-    t_all = time.perf_counter()
-    cal_path = args.calibration or default_calibration(tokens=args.calibration_tokens or DEFAULT_TOKENS, progress=True)
-    cal = Calibration.load(cal_path)
-    stages["calibration (load, or build once)"] = round(time.perf_counter() - t_all, 2)
+    if args.context <= SINKS + WINDOW or args.score < 2 or args.generate < 1:
+        raise KVTCError(f"--context must exceed the {SINKS} sinks + {WINDOW} window tokens kept exact, --score must "
+                        f"be at least 2 and --generate at least 1; got {args.context}, {args.score}, {args.generate}")
+    timer = StageTimer()
+    with timer("calibration (load, or build once)"):
+        cal_path = args.calibration or default_calibration(tokens=args.calibration_tokens or DEFAULT_TOKENS,
+                                                           progress=True)
+        cal = Calibration.load(cal_path)
     missing = [r for r in args.ratios if r not in cal.ratios]
     if missing:
         raise CalibrationError(f"the calibration has plans for ratios {cal.ratios}, not {missing}; "
                                "pick --ratios among those")
     with torch.inference_mode():
-        return _run(args, cal, stages, t_all)
+        return _run(args, cal, timer)
 
 
-def _run(args: argparse.Namespace, cal: Any, stages: dict[str, float], t_all: float) -> dict[str, Any]:
+def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any]:
     from . import assets
     from .codec import Codec
-    from .integrations.hf_cache import compress_cache, load_blob, restore_cache, save_blob
+    from .eval.decode import greedy_decode
+    from .eval.methods import KVTC
+    from .eval.protocols import storage_roundtrip
+    from .integrations.hf_cache import load_blob, restore_cache
 
-    def stage(name: str, t0: float) -> None:
-        stages[name] = round(time.perf_counter() - t0, 2)
-
-    t0 = time.perf_counter()
-    model, tok = assets.load_model("default")
-    stage("load model", t0)
-
-    t0 = time.perf_counter()
-    texts = assets.corpus(args.document)
-    window = assets.token_windows(tok, texts, args.context + args.score, 1, seed=args.seed)
+    with timer("load model"):
+        model, tok = assets.load_model("default")
+    with timer("tokenize held-out text"):
+        texts = assets.corpus(args.document)
+        window = assets.token_windows(tok, texts, args.context + args.score, 1, seed=args.seed)
     ctx, cont = window[:, : args.context], window[:, args.context :]
-    stage("tokenize held-out text", t0)
-    _say(f"held-out {args.document} window: {args.context} context tokens + {args.score} scored; "
+    _say(f"held-out {args.document} window: {args.context} context tokens + {args.score} fed after it; "
          f"calibration {cal.fingerprint} ({cal.stats.get('rows', cal.corpus.get('tokens', '?'))} tokens)")
 
-    # The exact reference: the prefill whose cache is compressed, then the document's next tokens.
-    t0 = time.perf_counter()
-    exact_cache = model(ctx, use_cache=True).past_key_values
-    stage("prefill context", t0)
-    recompute_s = _time_recompute(model, ctx, cont)
-    exact = _continue(model, _clone(exact_cache), cont)
-    exact_gen = _greedy(model, _clone(exact_cache), cont[:, :1], args.generate)
     args.out.mkdir(parents=True, exist_ok=True)
+    paths = {r: args.out / f"kvtc-demo-{r:g}x.kvtc" for r in args.ratios}
+    methods = [KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=assets.DEFAULT_MODEL, store=_through_file(paths[r]))
+               for r in args.ratios]
+    with timer("storage round trip: prefill, compress, save, load, decode, score"):
+        with bar(len(methods) + 1, "storage round trip") as progress:
+            tallies = storage_roundtrip(model, window, methods, args.context, SINKS, WINDOW, progress)
+    # the exact continuation from a full prefill: its first token is what a restore replaces
+    with timer("recompute + generate"):
+        exact = greedy_decode(model, window[:, : args.context + 1], None, args.generate)
 
     rows = []
-    for ratio in args.ratios:
-        t_ratio = t0 = time.perf_counter()
-        blob = compress_cache(exact_cache, model, Codec(cal, ratio=ratio))
-        encode_s = time.perf_counter() - t0
-        path = save_blob(args.out / f"kvtc-demo-{ratio:g}x.kvtc", blob)
-        # restore + first token: read the file, decode, rebuild, one forward of the first new token
-        t0 = time.perf_counter()
-        restored = restore_cache(load_blob(path), model, cal)
-        model(cont[:, :1], past_key_values=restored, use_cache=True)
-        ttft_s = time.perf_counter() - t0
-        restored.crop(-1)
-        got = _continue(model, restored, cont)
-        restored.crop(-cont.shape[1])
-        gen = _greedy(model, restored, cont[:, :1], args.generate)
+    for m in methods:
+        with timer(f"{m.ratio:g}x: restore + generate"):
+            t0 = time.perf_counter()
+            blob = load_blob(paths[m.ratio])
+            restored = restore_cache(blob, model, cal)
+            restore_s = time.perf_counter() - t0
+            gen = greedy_decode(model, cont[:, :1], restored, args.generate)
         info = Codec.inspect(blob)
+        score = tallies[m.label].summary()
         rows.append({
-            "target": ratio,
+            "target": m.ratio,
             "bf16_bytes": info["original_bytes"],
             "compressed_bytes": len(blob),
             "codec_ratio": info["codec_ratio"],
             "whole_cache_ratio": info["whole_cache_ratio"],
             "coded_tokens": info["middle_tokens"],
-            "encode_s": encode_s,
-            "restore_first_token_s": ttft_s,
-            "recompute_s": recompute_s,
-            "ppl_exact": exact["ppl"],
-            "ppl_restored": got["ppl"],
-            "top1_agreement": float((got["argmax"] == exact["argmax"]).float().mean()),
-            "greedy_identical_prefix": _common_prefix(gen, exact_gen),
-            "text": tok.decode(gen[0], skip_special_tokens=True),
+            "encode_s": m.timer.seconds["encode"],
+            "restore_first_token_s": restore_s + gen.first_s,
+            "recompute_s": exact.first_s,
+            "ppl_exact": score["ppl_exact"],
+            "ppl_restored": score["ppl"],
+            "kl": score["kl"],
+            "top1_agreement": score["top1_agreement"],
+            "greedy_identical_prefix": _common_prefix(gen.tokens, exact.tokens),
+            "text": tok.decode(gen.tokens[0], skip_special_tokens=True),
         })
-        stages[f"{ratio:g}x: compress, save, restore, score, generate"] = round(time.perf_counter() - t_ratio, 2)
-        _say(f"{ratio:g}x done: codec ratio {info['codec_ratio']:.1f}x, top-1 agreement {rows[-1]['top1_agreement']:.3f}")
+        _say(f"{m.ratio:g}x: codec ratio {info['codec_ratio']:.1f}x, top-1 agreement {score['top1_agreement']:.3f}")
 
     result = {
-        "document": args.document, "context_tokens": args.context, "scored_tokens": args.score,
-        "calibration": cal.fingerprint, "rows": rows, "exact_text": tok.decode(exact_gen[0], skip_special_tokens=True),
-        "context_tail": tok.decode(ctx[0, -48:], skip_special_tokens=True), "stages_s": stages,
+        "document": args.document, "context_tokens": args.context, "scored_tokens": tallies["exact"].tokens,
+        "calibration": cal.fingerprint, "rows": rows,
+        "exact_text": tok.decode(exact.tokens[0], skip_special_tokens=True),
+        "context_tail": tok.decode(ctx[0, -48:], skip_special_tokens=True), "stages_s": timer.rounded(2),
     }
     md = _markdown(result)
     (args.out / "kvtc-demo.md").write_text(md)
     plot = _plot(rows, args.out / "kvtc-demo.png")
-    stages["total"] = round(time.perf_counter() - t_all, 2)
+    result["stages_s"]["total"] = round(timer.elapsed(), 2)
     (args.out / "kvtc-demo.json").write_text(json.dumps(result, indent=2) + "\n")
     print(md)
     print(f"wrote {args.out / 'kvtc-demo.md'}, {args.out / 'kvtc-demo.json'}" + (f", {plot}" if plot else
-          " (no plot: install matplotlib)") + f"; total {stages['total']:.0f} s")
+          " (no plot: install matplotlib)") + f"; total {result['stages_s']['total']:.0f} s")
     return result
 
 
-# ---------------------------------------------------------------------- measurements
+def _through_file(path: Path) -> Callable[[bytes], bytes]:
+    """A round trip of a blob through ``path``: written atomically, read back and its header checked."""
+    from .integrations.hf_cache import load_blob, save_blob
 
+    def store(blob: bytes) -> bytes:
+        return load_blob(save_blob(path, blob))
 
-def _clone(cache: Any) -> Any:
-    """An independent copy of a cache (forward passes append to the one they are given)."""
-    return copy.deepcopy(cache)
-
-
-def _time_recompute(model: Any, ctx: torch.Tensor, cont: torch.Tensor) -> float:
-    """Prefill of the context plus the first new token, from nothing: what a restore replaces."""
-    t0 = time.perf_counter()
-    model(torch.cat([ctx, cont[:, :1]], dim=1), use_cache=True)
-    return time.perf_counter() - t0
-
-
-def _continue(model: Any, cache: Any, cont: torch.Tensor) -> dict[str, Any]:
-    """Teacher-forced logits of ``cont`` after the cache: perplexity of cont[1:] and the argmax at each step."""
-    logits = model(cont, past_key_values=cache, use_cache=True).logits[0].float()
-    nll = torch.nn.functional.cross_entropy(logits[:-1], cont[0, 1:])
-    return {"ppl": math.exp(float(nll)), "argmax": logits.argmax(-1)}
-
-
-def _greedy(model: Any, cache: Any, first: torch.Tensor, n: int) -> torch.Tensor:
-    step, out = first, []
-    for _ in range(n):
-        step = model(step, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        out.append(step)
-    return torch.cat(out, dim=1)
+    return store
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -209,7 +195,7 @@ def _markdown(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"Codec ratio: the {rows[0]['coded_tokens']} coded tokens (the 4 sinks and 128 newest tokens stay bf16), every header and section counted; whole-cache ratio: the entire blob against the "
-        f"whole bf16 cache. Perplexity over the document's next {r['scored_tokens'] - 1} tokens, teacher-forced; "
+        f"whole bf16 cache. Perplexity over the document's next {r['scored_tokens']} tokens, teacher-forced; "
         "top-1 agreement: the restored cache's argmax equals the exact cache's.",
         "",
         f"Context ends: …{_one_line(r['context_tail'])}",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,19 +43,8 @@ def greedy_allocate(
         level = [0] * m
         spent = 0
         heap: list[tuple[float, int, int]] = []
-
-        def push(i: int) -> None:
-            lv = level[i]
-            # next level that lowers the error; skipping a level is allowed when it does not
-            for nxt in range(lv + 1, len(levels)):
-                gain = float(levels[lv][i] - levels[nxt][i])
-                if gain > 0:
-                    extra = costs[nxt] - costs[lv]  # 0 for a tie (int2 and int3s of 16 components): a free gain
-                    heapq.heappush(heap, (-gain / extra if extra > 0 else -math.inf, i, nxt))
-                    return
-
         for i in range(m):
-            push(i)
+            _push_upgrade(heap, levels, costs, level, i)
         while heap:
             _, i, nxt = heapq.heappop(heap)
             extra = costs[nxt] - costs[level[i]]
@@ -63,7 +52,7 @@ def greedy_allocate(
                 continue
             spent += extra
             level[i] = nxt
-            push(i)
+            _push_upgrade(heap, levels, costs, level, i)
         error = sum(float(levels[level[i]][i]) for i in range(m)) + float(drop[m * g :].sum())
         groups = [(g, DROP if lv == 0 else ladder[lv - 1]) for lv in level]
         while groups and groups[-1][1] == DROP:
@@ -81,6 +70,19 @@ def greedy_allocate(
     if best is None:
         raise ValueError(f"no group size in {tuple(sizes)} fits {k} components")
     return best
+
+
+def _push_upgrade(heap: list[tuple[float, int, int]], levels: Sequence[torch.Tensor], costs: Sequence[int],
+                  level: list[int], i: int) -> None:
+    """Queue group ``i``'s next upgrade that lowers its error (skipping a level is allowed when it does not), keyed
+    by the error reduction per extra bit."""
+    lv = level[i]
+    for nxt in range(lv + 1, len(levels)):
+        gain = float(levels[lv][i] - levels[nxt][i])
+        if gain > 0:
+            extra = costs[nxt] - costs[lv]  # 0 for a tie (int2 and int3s of 16 components): a free gain
+            heapq.heappush(heap, (-gain / extra if extra > 0 else -math.inf, i, nxt))
+            return
 
 
 def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]],

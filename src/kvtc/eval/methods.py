@@ -22,8 +22,10 @@ Byte counts, for ``N`` compressed tokens and ``p`` features per token and kind (
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,8 @@ import torch
 
 from ..calibration import Calibration
 from ..codec import Codec
-from ..layout import KVSlice
+from ..layout import DTYPES, KVSlice
+from ..progress import StageTimer
 from ..quant import INT2, INT4, dequantize, quantize
 from ..rope import RopeSpec
 
@@ -97,23 +100,46 @@ def reference_bytes(kv: KVSlice, tokens: int) -> float:
 
 
 class KVTC(Method):
-    """kvtc at one target ratio of a calibration (keys coded pre-RoPE, as the codec does)."""
+    """kvtc at one target ratio of a calibration (keys coded pre-RoPE, as the codec does).
+
+    ``dtype``: storage dtype the slice is cast to before encoding, as ``compress_cache`` does (``None``: the
+    slice's own); ``model_id``: the name written into the blob (``None``: the slice's). ``store``: what the blob
+    goes through between encoding and decoding, ``blob -> blob`` (e.g. writing a file and reading it back;
+    ``None``: memory). ``timer`` holds the seconds spent encoding and decoding, summed over calls.
+    """
 
     post_rope = False
 
-    def __init__(self, calibration: Calibration, ratio: float, name: str = "kvtc", label: str | None = None):
+    def __init__(self, calibration: Calibration, ratio: float, name: str = "kvtc", label: str | None = None,
+                 *, dtype: str | None = None, model_id: str | None = None,
+                 store: Callable[[bytes], bytes] | None = None):
         self.calibration, self.ratio = calibration, ratio
         self.name = name
         self.label = label or f"{name} {ratio:g}x"
+        self.dtype, self.model_id, self.store = dtype, model_id, store
+        self.timer = StageTimer()
+
+    def _stored(self, kv: KVSlice) -> KVSlice:
+        dtype = self.dtype or kv.layout.dtype
+        model_id = kv.model_id if self.model_id is None else self.model_id
+        if dtype == kv.layout.dtype and model_id == kv.model_id:
+            return kv
+        return KVSlice(dataclasses.replace(kv.layout, dtype=dtype), kv.keys.to(DTYPES[dtype]),
+                       kv.values.to(DTYPES[dtype]), kv.positions, model_id)
 
     def compress(self, kv: KVSlice, start: int, stop: int, rope: RopeSpec) -> Result:
         codec = Codec(self.calibration, self.ratio, sinks=start, window=kv.num_tokens - stop)
-        blob = codec.encode(kv)
-        out = codec.decode(blob)
+        stored = self._stored(kv)
+        with self.timer("encode"):
+            blob = codec.encode(stored)
+        if self.store is not None:
+            blob = self.store(blob)
+        with self.timer("decode"):
+            out = codec.decode(blob)
         facts = Codec.inspect(blob)
         n = kv.batch * facts["middle_tokens"]
-        # inspect measures ratios against the slice's own dtype; the reference here is 16-bit
-        esize = kv.keys.element_size()
+        # inspect measures ratios against the stored dtype; the reference here is 16-bit
+        esize = stored.keys.element_size()
         coded = facts["bytes_per_middle_token"] * n
         raw = reference_bytes(kv, facts["middle_tokens"]) * esize / REFERENCE_BYTES / facts["codec_ratio_before_entropy"]
         keys = out.keys.to(kv.keys)

@@ -20,14 +20,16 @@ import dataclasses
 import math
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from ..integrations.hf import describe_model, extract_slice, rebuild_cache
 from ..layout import KVSlice, dtype_name
+from .decode import attention_mask, greedy_decode
 from .methods import Method, reference_bytes
 
 Progress = Callable[[int], None]
@@ -117,12 +119,6 @@ def _prefill(model: Any, ids: torch.Tensor) -> DynamicCache:
     return cache
 
 
-def _mask(keep: torch.Tensor | None, extra: int) -> torch.Tensor | None:
-    if keep is None:
-        return None
-    return torch.cat([keep.long(), torch.ones(keep.shape[0], extra, dtype=torch.long, device=keep.device)], dim=1)
-
-
 def storage_roundtrip(
     model: Any,
     windows: torch.Tensor,
@@ -148,7 +144,7 @@ def storage_roundtrip(
         for m in methods:
             res = m.compress(kv, sinks, context - window, rope)
             lossy_cache = rebuild_cache(res.kv, model)
-            lossy = _logp(model, cont, lossy_cache, _mask(res.keep, cont.numel()))
+            lossy = _logp(model, cont, lossy_cache, attention_mask(res.keep, cont.numel()))
             t = tallies[m.label]
             t.add_scores(exact, lossy, targets)
             t.add_bytes(kv, context - window - sinks, res.bytes, res.bytes_raw)
@@ -290,17 +286,8 @@ def passkey_prompts(
     return prompts
 
 
-def _greedy(model: Any, cache: Any, first: torch.Tensor, steps: int, keep: torch.Tensor | None) -> list[int]:
-    out: list[int] = []
-    ids = first
-    for i in range(steps):
-        mask = _mask(keep, i + 1)
-        with torch.inference_mode():
-            logits = model(input_ids=ids[None], past_key_values=cache, attention_mask=mask, use_cache=True).logits
-        nxt = int(logits[0, -1].argmax())
-        out.append(nxt)
-        ids = torch.tensor([nxt], device=first.device)
-    return out
+def _answer(model: Any, cache: Any, last: torch.Tensor, steps: int, keep: torch.Tensor | None) -> list[int]:
+    return greedy_decode(model, last[None], cache, steps, keep=keep).tokens[0].tolist()
 
 
 def _answer_ok(tokenizer: Any, generated: list[int], key: str) -> bool:
@@ -330,7 +317,7 @@ def retrieval(
         n = ctx.numel()
         cache = _prefill(model, ctx)
         kv = extract_slice(cache, model)
-        ok_exact = _answer_ok(tokenizer, _greedy(model, cache, last, answer_tokens, None), p.answer)
+        ok_exact = _answer_ok(tokenizer, _answer(model, cache, last, answer_tokens, None), p.answer)
         rec: dict[str, Any] = {"length": p.length, "depth": p.depth, "needle_position": p.needle_position,
                                "in_compressed_span": sinks <= p.needle_position < n - window, "exact": ok_exact}
         tallies["exact"].prompts += 1
@@ -338,7 +325,7 @@ def retrieval(
         tallies["exact"].correct_exact += ok_exact
         for m in methods:
             res = m.compress(kv, sinks, n - window, rope)
-            ok = _answer_ok(tokenizer, _greedy(model, rebuild_cache(res.kv, model), last, answer_tokens, res.keep),
+            ok = _answer_ok(tokenizer, _answer(model, rebuild_cache(res.kv, model), last, answer_tokens, res.keep),
                             p.answer)
             t = tallies[m.label]
             t.prompts += 1

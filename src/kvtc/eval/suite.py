@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from .. import __version__, assets
 from ..calibration import Calibration, fit_calibration
 from ..layout import PCAGrouping
+from ..progress import StageTimer, bar
 from .greedy import greedy_calibration, paper_types_calibration
 from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer, peer_available
 from .protocols import HAYSTACKS, PASSKEY_FILLER, Tally, conversation, passkey_prompts, retrieval, storage_roundtrip
@@ -80,26 +81,6 @@ class EvalConfig:
         return cls(**base)
 
 
-class _Bar:
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, desc=desc, leave=True)
-            except ImportError:  # pragma: no cover
-                pass
-
-    def __call__(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _say(cfg: EvalConfig, msg: str) -> None:
     if cfg.progress:
         print(f"kvtc eval: {msg}", flush=True)
@@ -134,31 +115,29 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
              "greedy": root / f"eval-ablation-greedy-{tag}.safetensors",
              "paper-types": root / f"eval-ablation-papertypes-{tag}.safetensors"}
     info: dict[str, Any] = {"tokens": cfg.ablation_tokens, "corpus": "sotu-pre2000", "cached": False}
-    t0 = time.perf_counter()
     if all(p.is_file() for p in paths.values()):
         info["cached"] = True
         return {k: Calibration.load(p) for k, p in paths.items()}, info
+    timer = StageTimer()
     layout, rope = describe_model(model)
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
     _say(cfg, f"collecting {cfg.ablation_tokens} calibration rows for the ablations")
-    rows = list(collect_rows(model, tok, texts, cfg.ablation_tokens, sinks=cfg.sinks, progress=cfg.progress))
-    info["collect_s"] = round(time.perf_counter() - t0, 1)
-    t1 = time.perf_counter()
+    with timer("collect_s"):
+        rows = list(collect_rows(model, tok, texts, cfg.ablation_tokens, sinks=cfg.sinks, progress=cfg.progress))
     _say(cfg, "fitting the per-layer-PCA calibration")
     # the same sensitivity weighting as the global calibration: this ablation changes the grouping only
     scales = {k: cal.feature_scale(k) for k in ("keys", "values")} if cal.weighted else None
-    per_layer = fit_calibration(layout, rows, ratios=ratios, grouping=PCAGrouping("layers", 1),
-                                rope=rope.to_dict(), model_id=cal.model_id, feature_scale=scales,
-                                corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens})
-    info["per_layer_fit_s"] = round(time.perf_counter() - t1, 1)
-    t1 = time.perf_counter()
+    with timer("per_layer_fit_s"):
+        per_layer = fit_calibration(layout, rows, ratios=ratios, grouping=PCAGrouping("layers", 1),
+                                    rope=rope.to_dict(), model_id=cal.model_id, feature_scale=scales,
+                                    corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens})
     _say(cfg, "greedy bit plans on the default basis")
-    greedy = greedy_calibration(cal, rows, ratios)
-    info["greedy_fit_s"] = round(time.perf_counter() - t1, 1)
-    t1 = time.perf_counter()
+    with timer("greedy_fit_s"):
+        greedy = greedy_calibration(cal, rows, ratios)
     _say(cfg, "bit plans with the paper's quantization types on the default basis")
-    paper = paper_types_calibration(cal, rows, ratios)
-    info["paper_types_fit_s"] = round(time.perf_counter() - t1, 1)
+    with timer("paper_types_fit_s"):
+        paper = paper_types_calibration(cal, rows, ratios)
+    info.update(timer.rounded(1))
     del rows
     out = {"per-layer": per_layer, "greedy": greedy, "paper-types": paper}
     for k, p in paths.items():
@@ -219,17 +198,15 @@ def _rows(tallies: dict[str, Tally], methods: Sequence[Method], extra: dict[str,
 
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
-    t_start = time.perf_counter()
+    timer = StageTimer()
     torch.manual_seed(cfg.seed)
-    timings: dict[str, float] = {}
     out: dict[str, Any] = {"config": {k: (list(v) if isinstance(v, tuple) else v)
                                       for k, v in dataclasses.asdict(cfg).items()},
                            "machine": _machine(), "skipped": {}}
 
-    t0 = time.perf_counter()
-    model, tok = assets.load_model(cfg.model, dtype=torch.float32, device=cfg.device)
-    cal, cal_name = _load_calibration(cfg)
-    timings["load"] = time.perf_counter() - t0
+    with timer("load"):
+        model, tok = assets.load_model(cfg.model, dtype=torch.float32, device=cfg.device)
+        cal, cal_name = _load_calibration(cfg)
     out["model"] = cfg.model if cfg.model != "default" else assets.DEFAULT_MODEL
     out["calibration"] = {"name": cal_name, "fingerprint": cal.fingerprint, "corpus": cal.corpus,
                           "ratios": cal.ratios, "samples": cal.stats.get("samples")}
@@ -249,9 +226,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     if cfg.quick:
         methods = [KVTC(cal, ratios[0]), KIVI(2)]
     if cfg.ablations:
-        t0 = time.perf_counter()
-        abl, info = _ablation_calibrations(cfg, model, tok, cal)
-        timings["ablation_calibration"] = time.perf_counter() - t0
+        with timer("ablation_calibration"):
+            abl, info = _ablation_calibrations(cfg, model, tok, cal)
         out["ablation_calibration"] = info
         methods += [KVTC(abl["per-layer"], r, name="kvtc-per-layer-pca",
                          label=f"kvtc per-layer PCA {r:g}x") for r in cfg.ablation_ratios]
@@ -264,9 +240,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
             # the default recipe without sensitivity weighting (the paper's plain squared error), same rows
             from ..integrations.hf_calibrate import default_calibration
 
-            t0 = time.perf_counter()
-            plain = Calibration.load(default_calibration(progress=cfg.progress, sensitivity="none"))
-            timings["ablation_calibration"] += time.perf_counter() - t0
+            with timer("ablation_calibration"):
+                plain = Calibration.load(default_calibration(progress=cfg.progress, sensitivity="none"))
             out["ablation_calibration"]["unweighted"] = {"fingerprint": plain.fingerprint, "corpus": plain.corpus}
             methods += [KVTC(plain, r, name="kvtc-unweighted", label=f"kvtc without sensitivity weighting {r:g}x")
                         for r in cfg.ablation_ratios]
@@ -275,14 +250,12 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     out["texts"] = list(cfg.texts)
 
     # 1. storage round trip
-    t0 = time.perf_counter()
-    windows = assets.token_windows(tok, texts, cfg.context + cfg.continuation + 1, cfg.windows, seed=cfg.seed)
-    windows = windows.to(cfg.device)
-    _say(cfg, f"storage round trip: {cfg.windows} windows x {len(methods)} methods")
-    bar = _Bar(cfg.windows * (len(methods) + 1), "storage round trip", cfg.progress)
-    tallies = storage_roundtrip(model, windows, methods, cfg.context, cfg.sinks, cfg.window, bar)
-    bar.close()
-    timings["storage_roundtrip"] = time.perf_counter() - t0
+    with timer("storage_roundtrip"):
+        windows = assets.token_windows(tok, texts, cfg.context + cfg.continuation + 1, cfg.windows, seed=cfg.seed)
+        windows = windows.to(cfg.device)
+        _say(cfg, f"storage round trip: {cfg.windows} windows x {len(methods)} methods")
+        with bar(cfg.windows * (len(methods) + 1), "storage round trip", cfg.progress) as progress:
+            tallies = storage_roundtrip(model, windows, methods, cfg.context, cfg.sinks, cfg.window, progress)
     out["storage_roundtrip"] = _rows(tallies, methods)
     # entropy-coding ablation: the same symbols stored bit-packed only (same quality, the bytes before entropy)
     for r in list(out["storage_roundtrip"]):
@@ -292,46 +265,42 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
 
     # 2. simulated conversation
     if cfg.conversation:
-        t0 = time.perf_counter()
-        conv_methods: list[Method] = [KVTC(cal, r) for r in cfg.conversation_ratios if r in cal.ratios]
-        conv_methods += [FP8(), KIVI(2), KIVI(4)] if cfg.baselines else []
-        ids = assets.token_windows(tok, texts, cfg.conversation_tokens, 1, seed=cfg.seed + 1).to(cfg.device)
-        _say(cfg, f"simulated conversation: {cfg.conversation_tokens} tokens x {len(conv_methods)} methods")
-        bar = _Bar(len(conv_methods) + 1, "simulated conversation", cfg.progress)
-        tallies = conversation(model, ids, conv_methods, cfg.sinks, cfg.window, progress=bar)
-        bar.close()
-        timings["conversation"] = time.perf_counter() - t0
+        with timer("conversation"):
+            conv_methods: list[Method] = [KVTC(cal, r) for r in cfg.conversation_ratios if r in cal.ratios]
+            conv_methods += [FP8(), KIVI(2), KIVI(4)] if cfg.baselines else []
+            ids = assets.token_windows(tok, texts, cfg.conversation_tokens, 1, seed=cfg.seed + 1).to(cfg.device)
+            _say(cfg, f"simulated conversation: {cfg.conversation_tokens} tokens x {len(conv_methods)} methods")
+            with bar(len(conv_methods) + 1, "simulated conversation", cfg.progress) as progress:
+                tallies = conversation(model, ids, conv_methods, cfg.sinks, cfg.window, progress=progress)
         out["conversation"] = _rows(tallies, conv_methods)
 
     # 3. retrieval
     if cfg.retrieval:
-        t0 = time.perf_counter()
-        ret_methods: list[Method] = [KVTC(cal, r) for r in cfg.retrieval_ratios if r in cal.ratios]
-        if cfg.baselines:
-            ret_methods += [KIVI(2)] + [Eviction(r) for r in cfg.retrieval_ratios]
-        if cfg.retrieval_haystack not in HAYSTACKS:
-            raise ValueError(f"unknown haystack {cfg.retrieval_haystack!r}; use one of {', '.join(HAYSTACKS)}")
-        hay = texts if cfg.retrieval_haystack == "text" else [PASSKEY_FILLER * (2 + 8 * max(cfg.retrieval_lengths) // 20)]
-        prompts = []
-        # every length gets about the same number of tokens: shorter lengths get more prompts
-        weights = [1.0 / n for n in cfg.retrieval_lengths]
-        counts = [max(1, round(cfg.retrieval_prompts * w / sum(weights))) for w in weights]
-        counts[0] += max(0, cfg.retrieval_prompts - sum(counts))
-        for i, (length, count) in enumerate(zip(cfg.retrieval_lengths, counts)):
-            depths = [cfg.retrieval_depths[j % len(cfg.retrieval_depths)] for j in range(count)]
-            for j, d in enumerate(depths):
-                prompts += passkey_prompts(tok, hay, [length], [d], 1, seed=cfg.seed + 1000 * i + j)
-        _say(cfg, f"retrieval: {len(prompts)} pass-key prompts x {len(ret_methods) + 1} caches")
-        bar = _Bar(len(prompts) * (len(ret_methods) + 1), "retrieval", cfg.progress)
-        tallies, records = retrieval(model, tok, [dataclasses.replace(p, ids=p.ids.to(cfg.device)) for p in prompts],
-                                     ret_methods, cfg.sinks, cfg.window, progress=bar)
-        bar.close()
-        timings["retrieval"] = time.perf_counter() - t0
+        with timer("retrieval"):
+            ret_methods: list[Method] = [KVTC(cal, r) for r in cfg.retrieval_ratios if r in cal.ratios]
+            if cfg.baselines:
+                ret_methods += [KIVI(2)] + [Eviction(r) for r in cfg.retrieval_ratios]
+            if cfg.retrieval_haystack not in HAYSTACKS:
+                raise ValueError(f"unknown haystack {cfg.retrieval_haystack!r}; use one of {', '.join(HAYSTACKS)}")
+            hay = texts if cfg.retrieval_haystack == "text" else [PASSKEY_FILLER * (2 + 8 * max(cfg.retrieval_lengths) // 20)]
+            prompts = []
+            # every length gets about the same number of tokens: shorter lengths get more prompts
+            weights = [1.0 / n for n in cfg.retrieval_lengths]
+            counts = [max(1, round(cfg.retrieval_prompts * w / sum(weights))) for w in weights]
+            counts[0] += max(0, cfg.retrieval_prompts - sum(counts))
+            for i, (length, count) in enumerate(zip(cfg.retrieval_lengths, counts)):
+                depths = [cfg.retrieval_depths[j % len(cfg.retrieval_depths)] for j in range(count)]
+                for j, d in enumerate(depths):
+                    prompts += passkey_prompts(tok, hay, [length], [d], 1, seed=cfg.seed + 1000 * i + j)
+            _say(cfg, f"retrieval: {len(prompts)} pass-key prompts x {len(ret_methods) + 1} caches")
+            prompts = [dataclasses.replace(p, ids=p.ids.to(cfg.device)) for p in prompts]
+            with bar(len(prompts) * (len(ret_methods) + 1), "retrieval", cfg.progress) as progress:
+                tallies, records = retrieval(model, tok, prompts, ret_methods, cfg.sinks, cfg.window, progress=progress)
         out["retrieval"] = _rows(tallies, ret_methods)
         out["retrieval_prompts"] = records
 
-    timings["total"] = time.perf_counter() - t_start
-    out["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
+    timer.add("total", timer.elapsed())
+    out["timings_s"] = timer.rounded(1)
     out["machine"]["load_average_end"] = _loadavg()
     out["acceptance"] = acceptance(out)
     return out
@@ -360,7 +329,12 @@ def _interp(points: Sequence[dict[str, Any]], ratio: float) -> float:
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's acceptance checks, computed from a result (``None`` where the run lacks the data)."""
+    """The evaluation's acceptance checks, computed from a result (absent where the run lacks the data).
+
+    kvtc at 16x / 32x achieves its target with at most +1.5 % / +4 % perplexity; kvtc at (at least) 8x loses
+    no more than KIVI 4-bit at 3.2x; the kvtc curve lies below every baseline's wherever both have points;
+    retrieval at 16x loses at most one of 50 or more prompts against the exact cache; the whole run takes at
+    most 30 minutes. The ablations' figures are gathered beside them (no pass/fail)."""
     rows = {r["method"]: r for r in result.get("storage_roundtrip", [])}
     kv = sorted((r for r in rows.values() if r["curve"] == "kvtc"), key=lambda r: r["ratio"])
     checks: dict[str, Any] = {}
@@ -368,16 +342,15 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
     def kvtc_at(target: float) -> dict[str, Any] | None:
         return next((r for r in kv if r.get("target") == target), None)
 
-    for target, bar in ((16.0, 1.5), (32.0, 4.0)):
+    for target, limit in ((16.0, 1.5), (32.0, 4.0)):
         r = kvtc_at(target)
         if r:
             checks[f"kvtc_{target:g}x"] = {"ratio": r["ratio"], "delta_ppl_pct": r["delta_ppl_pct"],
-                                            "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= bar}
+                                            "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= limit}
     kivi4 = rows.get("KIVI 4-bit")
     # kvtc's best-quality point that still stores at least 8x less: the smallest achieved ratio >= 8
     at8 = next((r for r in kv if r["ratio"] >= 8.0), None)
     if kivi4 and at8:
-        # the issue's bar: kvtc at (at least) 8x loses no more than KIVI 4-bit at 3.2x
         checks["kvtc_8x_vs_kivi4"] = {"kivi4_ratio": kivi4["ratio"], "kivi4_delta_ppl_pct": kivi4["delta_ppl_pct"],
                                       "kvtc_method": at8["method"], "kvtc_ratio": at8["ratio"],
                                       "kvtc_delta_ppl_pct": at8["delta_ppl_pct"],
