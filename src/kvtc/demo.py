@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, cal: Any, stages: dict[str, float], t_all: float) -> dict[str, Any]:
     from . import assets
     from .codec import Codec
-    from .integrations.hf_cache import compress_cache, load_blob, restore_cache, save_blob
+    from .integrations.hf import compress_cache, load_blob, restore_cache, save_blob
 
     def stage(name: str, t0: float) -> None:
         stages[name] = round(time.perf_counter() - t0, 2)
