@@ -182,7 +182,7 @@ class ModelAdapter:
 
 
 _ADAPTERS: dict[int, tuple[weakref.ref[Any], dict[str, Any], ModelAdapter]] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a config collected while an adapter is built is forgotten under it
 
 
 def adapter_for(model_or_config: PreTrainedModel | PreTrainedConfig) -> ModelAdapter:
