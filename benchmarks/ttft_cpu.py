@@ -27,7 +27,7 @@ from _report import command, machine, table, update_section, write_json  # noqa:
 from kvtc import assets  # noqa: E402
 from kvtc.calibration.artifact import Calibration  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
-from kvtc.integrations.hf_cache import compress_cache, load_blob, restore_cache, save_blob  # noqa: E402
+from kvtc.integrations.hf import compress_cache, load_blob, restore_cache, save_blob  # noqa: E402
 from kvtc.integrations.hf_calibrate import default_calibration  # noqa: E402
 
 

@@ -203,7 +203,7 @@ def test_kvtc_method_stores_bf16_through_a_file(smollm2, tiny_calibration, tmp_p
     from kvtc.codec import Codec
     from kvtc.eval.methods import KVTC
     from kvtc.eval.protocols import storage_roundtrip
-    from kvtc.integrations.hf_cache import load_blob, save_blob
+    from kvtc.integrations.hf import load_blob, save_blob
 
     model, tok = smollm2
     cal = Calibration.load(tiny_calibration)

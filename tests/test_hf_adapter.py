@@ -11,9 +11,8 @@ from tiny_models import TINY, build, gemma3_small_window, pre_rope_key_hooks
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DynamicCache
 
 from kvtc.errors import LayoutError, UnsupportedModel
-from kvtc.integrations.hf import describe_model, extract_slice, rebuild_cache
+from kvtc.integrations.hf import describe_model, extract_slice, rebuild_cache, rope_spec_from_config
 from kvtc.layout import KVSlice
-from kvtc.rope import RopeSpec
 
 NAMES = sorted(TINY)
 LOGIT_TOL = 1e-4
@@ -154,7 +153,7 @@ def test_explicit_positions_are_used_for_the_rotation(models):
     shifted = torch.arange(100, 106)[None]
     kv = extract_slice(cache, model, positions=shifted)
     assert torch.equal(kv.positions, shifted)
-    spec = RopeSpec.from_hf_config(model.config)
+    spec = rope_spec_from_config(model.config)
     keys = torch.stack([cache.layers[i].keys.transpose(1, 2) for i in (0, 1)], dim=2)
     assert torch.equal(kv.keys, spec.invert(keys, shifted, (0, 1)))
     rebuilt = rebuild_cache(kv, model)  # same positions back: the cache is restored
@@ -222,3 +221,49 @@ def test_unsupported_models_are_refused_clearly():
         describe_model(DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4))
     with pytest.raises(UnsupportedModel, match="model or config"):
         describe_model("meta-llama/Llama-3.1-8B")
+
+
+def test_the_adapter_is_read_once_per_model():
+    """Describing, compressing, restoring, extracting and rebuilding all share one adapter: the rotary embedding
+    is built and probed once per model, however many calls follow."""
+    from kvtc.codec import Codec
+    from kvtc.integrations.hf import ModelAdapter, adapter_for, compress_cache, restore_cache
+
+    model = build("llama")  # a fresh model: no adapter read for its config yet
+    before = ModelAdapter.builds
+    layout, spec = describe_model(model)
+    _, cache = prefill(model)
+    blob = compress_cache(cache, model, Codec.identity(), dtype=None)
+    restored = restore_cache(blob, model)
+    rebuild_cache(extract_slice(restored, model), model.config)
+    assert describe_model(model.config)[1] is spec
+    assert ModelAdapter.builds == before + 1
+    assert adapter_for(model) is adapter_for(model.config)
+    assert rel_err(restored.layers[1].keys, cache.layers[1].keys) <= 1e-5
+
+
+def test_a_config_changed_in_place_is_read_again():
+    config = copy.deepcopy(build("llama").config)
+    _, spec = describe_model(config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 500.0}
+    _, changed = describe_model(config)
+    assert changed.fingerprint() != spec.fingerprint()
+    assert changed == rope_spec_from_config(copy.deepcopy(config))
+
+
+def test_the_adapter_cache_does_not_keep_models_alive():
+    import gc
+    import weakref
+
+    from kvtc.integrations.hf import adapter_for
+    from kvtc.integrations.hf.adapter import _ADAPTERS
+
+    model = build("llama")
+    adapter, config = adapter_for(model), weakref.ref(model.config)
+    assert id(model.config) in _ADAPTERS
+    key = id(model.config)
+    del model
+    gc.collect()
+    assert config() is None and key not in _ADAPTERS
+    with pytest.raises(UnsupportedModel, match="no longer exists"):
+        adapter.config

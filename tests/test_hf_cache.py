@@ -14,9 +14,17 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError, StoreError
-from kvtc.integrations import hf_cache
-from kvtc.integrations.hf import extract_slice, rebuild_cache
-from kvtc.integrations.hf_cache import compress_cache, load_blob, restore_cache, save_blob
+from kvtc import fileio
+from kvtc.integrations.hf import (
+    ModelAdapter,
+    adapter_for,
+    compress_cache,
+    extract_slice,
+    load_blob,
+    rebuild_cache,
+    restore_cache,
+    save_blob,
+)
 
 #: greedy tokens that must match exactly after a lossless round trip (acceptance 2)
 GREEDY_TOKENS = 32
@@ -127,6 +135,7 @@ def prefix_cache(model, ids):
 
 def test_smollm2_lossless_round_trips_generate_identical_tokens(smollm2, prompt_ids, tmp_path):
     model, _ = smollm2
+    adapter, builds = adapter_for(model), ModelAdapter.builds
     want = greedy(model, prompt_ids, prefix_cache(model, prompt_ids))
     assert want.shape[1] == GREEDY_TOKENS
 
@@ -137,6 +146,7 @@ def test_smollm2_lossless_round_trips_generate_identical_tokens(smollm2, prompt_
     path = save_blob(tmp_path / "prompt.kvtc", blob)
     restored = restore_cache(load_blob(path), model)
     assert torch.equal(greedy(model, prompt_ids, restored), want)
+    assert adapter_for(model) is adapter and ModelAdapter.builds == builds  # generate leaves the config alone
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +166,7 @@ def scored(model, cache, continuation):
 def test_smollm2_16x_ratio_and_continuation(smollm2, heldout, context_cache, small_calibration):
     model, _ = smollm2
     _, continuation = heldout
+    adapter, builds = adapter_for(model), ModelAdapter.builds
     blob = compress_cache(context_cache, model, calibration=small_calibration, ratio=16)
     info = Codec.inspect(blob)
     print(f"16x on 2,048 held-out tokens: codec ratio {info['codec_ratio']:.2f}, whole-cache ratio "
@@ -173,6 +184,7 @@ def test_smollm2_16x_ratio_and_continuation(smollm2, heldout, context_cache, sma
     print(f"top-1 agreement {agreement:.3f}, perplexity {ppl_exact:.2f} -> {ppl:.2f}")
     assert agreement >= MIN_TOP1_AT_16X
     assert ppl <= ppl_exact * (1 + MAX_PPL_RISE_AT_16X)
+    assert adapter_for(model) is adapter and ModelAdapter.builds == builds  # checked and restored on one adapter
 
 
 # ---------------------------------------------------------------------------------------- refusals
@@ -185,8 +197,10 @@ def test_calibration_of_another_model_is_refused(smollm2, small_calibration, con
     with pytest.raises(CalibrationMismatch, match="use a calibration made for this model"):
         compress_cache(tiny_cache, tiny, calibration=small_calibration)
     blob = compress_cache(context_cache, smollm2[0], calibration=small_calibration, ratio=32)
-    with pytest.raises(CalibrationMismatch, match="restore it with the model that made it"):
+    with pytest.raises(CalibrationMismatch, match="made for another model"):
         restore_cache(blob, tiny, small_calibration)
+    with pytest.raises(LayoutError, match="is not this model's"):  # an identity blob has no calibration to check
+        restore_cache(compress_cache(context_cache, smollm2[0], Codec.identity()), tiny)
     with pytest.raises(CalibrationError, match="pass calibration="):
         restore_cache(blob, smollm2[0])
 
@@ -241,7 +255,7 @@ def test_save_blob_failure_leaves_the_good_file(tmp_path, monkeypatch):
     def disk_full(_fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(hf_cache.os, "fsync", disk_full)
+    monkeypatch.setattr(fileio.os, "fsync", disk_full)
     with pytest.raises(StoreError, match="unchanged"):
         save_blob(path, newer)
     monkeypatch.undo()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tiny_models import TINY, build, pre_rope_key_hooks
 
 from kvtc.errors import FormatError, LayoutError, UnsupportedModel
+from kvtc.integrations.hf import rope_spec_from_config
 from kvtc.rope import RopeKind, RopeSpec
 
 TOL = 1e-5
@@ -29,7 +30,7 @@ def models() -> dict:
 
 @pytest.fixture(scope="module")
 def specs(models) -> dict[str, RopeSpec]:
-    return {name: RopeSpec.from_hf_config(m.config) for name, m in models.items()}
+    return {name: rope_spec_from_config(m.config) for name, m in models.items()}
 
 
 def model_rotation(model, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -183,8 +184,8 @@ def test_spec_serialises_canonically(specs):
 
 
 def test_rebuilding_from_the_same_config_gives_an_equal_spec(models, specs):
-    assert RopeSpec.from_hf_config(models["gemma3"].config) == specs["gemma3"]
-    assert RopeSpec.from_hf_config(models["gemma3"].config).fingerprint() == specs["gemma3"].fingerprint()
+    assert rope_spec_from_config(models["gemma3"].config) == specs["gemma3"]
+    assert rope_spec_from_config(models["gemma3"].config).fingerprint() == specs["gemma3"].fingerprint()
 
 
 def _broken(spec: RopeSpec, change) -> dict:
@@ -246,17 +247,17 @@ def test_unsupported_configs_are_refused_clearly():
     from transformers import DeepseekV3Config, GPT2Config, Qwen2VLConfig
 
     with pytest.raises(UnsupportedModel, match="latent attention"):
-        RopeSpec.from_hf_config(DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4))
+        rope_spec_from_config(DeepseekV3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4))
     with pytest.raises(UnsupportedModel, match="rotary"):
-        RopeSpec.from_hf_config(GPT2Config(n_layer=2, n_embd=64, n_head=4))
+        rope_spec_from_config(GPT2Config(n_layer=2, n_embd=64, n_head=4))
     with pytest.raises(UnsupportedModel):  # multimodal RoPE (3-D positions) is not a plain rotation
-        RopeSpec.from_hf_config(
+        rope_spec_from_config(
             Qwen2VLConfig(
                 text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
             )
         )
     with pytest.raises(UnsupportedModel, match="config"):
-        RopeSpec.from_hf_config({"rope_theta": 1e4})
+        rope_spec_from_config({"rope_theta": 1e4})
 
 
 @settings(max_examples=40, deadline=None)
@@ -281,3 +282,18 @@ def test_invert_undoes_apply_for_any_spec(half, extra, interleaved, scaling, see
     norms = (y[:, :, 0, :, : 2 * half] ** 2).sum(-1).sqrt()
     assert torch.allclose(norms, scaling * (x[:, :, 0, :, : 2 * half] ** 2).sum(-1).sqrt(), rtol=1e-12)
     assert rel_err(spec.invert(y, pos, [0, 1]), x) < 1e-13
+
+
+def test_the_rope_maths_does_not_import_transformers():
+    """kvtc.rope is pure maths: loading and applying a stored spec needs no transformers."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys, torch; from kvtc.rope import RopeKind, RopeSpec; "
+        "s = RopeSpec(4, False, (RopeKind('shared', 'default', (1.0, 0.5)),), ('shared',)); "
+        "s = RopeSpec.from_dict(s.to_dict()); s.invert(torch.ones(1, 2, 1, 1, 4), torch.arange(2)[None], [0]); "
+        "assert 'transformers' not in sys.modules, 'kvtc.rope imported transformers'"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -171,7 +171,8 @@ def run_compress(args: argparse.Namespace) -> int:
     import torch
 
     from .codec import Codec
-    from .integrations.hf_cache import compress_cache, save_blob, write_atomic
+    from .fileio import write_atomic
+    from .integrations.hf import compress_cache, save_blob
 
     model, tok = _load_model(args.model)
     ids = _encode_text(tok, _read_text(args), args.chat)
@@ -244,7 +245,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .codec import Codec
-    from .integrations.hf_cache import load_blob, restore_cache
+    from .integrations.hf import load_blob, restore_cache
 
     blob = info = recorded = cal = None
     if args.resume is not None:  # refuse a bad file before spending seconds on the model

@@ -6,7 +6,7 @@ cached; take a held-out document (a speech from 2000 on, or a Wikipedia article)
 (:func:`kvtc.eval.protocols.storage_roundtrip`): the context's cache is compressed at each target ratio, the
 blob is saved to a file and read back, decoded, and the next ``--score`` tokens of the document are fed on top
 of it (teacher-forced) against the exact cache. Then each file is restored with
-:func:`~kvtc.integrations.hf_cache.restore_cache` and continued greedily, timing restore + first token
+:func:`~kvtc.integrations.hf.restore_cache` and continued greedily, timing restore + first token
 against recomputing the prefix. For each ratio: bf16 size, compressed size, achieved ratios, those times,
 perplexity of the document's continuation with the exact and the restored cache, top-1 agreement between the
 two, and the first greedy lines of both. Writes ``kvtc-demo.md`` (the table), ``kvtc-demo.json`` and
@@ -36,7 +36,7 @@ DEFAULT_SCORE = 256
 DEFAULT_GENERATE = 40
 DEFAULT_OUT = Path("out")
 HELD_OUT = ("sotu-2000on", "wikipedia")
-#: the storage dtype of the files, as :func:`~kvtc.integrations.hf_cache.compress_cache` writes them
+#: the storage dtype of the files, as :func:`~kvtc.integrations.hf.compress_cache` writes them
 STORAGE_DTYPE = "bfloat16"
 #: attention sinks and recent window kept exact (the codec's defaults)
 SINKS, WINDOW = 4, 128
@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
     from .eval.decode import greedy_decode
     from .eval.methods import KVTC
     from .eval.protocols import storage_roundtrip
-    from .integrations.hf_cache import load_blob, restore_cache
+    from .integrations.hf import load_blob, restore_cache
 
     with timer("load model"):
         model, tok = assets.load_model("default")
@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
 
 def _through_file(path: Path) -> Callable[[bytes], bytes]:
     """A round trip of a blob through ``path``: written atomically, read back and its header checked."""
-    from .integrations.hf_cache import load_blob, save_blob
+    from .integrations.hf import load_blob, save_blob
 
     def store(blob: bytes) -> bytes:
         return load_blob(save_blob(path, blob))

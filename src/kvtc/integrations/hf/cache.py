@@ -32,21 +32,19 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, DynamicCache
 
-from ..calibration.artifact import Calibration, ratio_key
-from ..codec import Codec
-from ..codec import container
-from ..errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError, StoreError
-from ..fileio import write_atomic
-from ..layout import DTYPES, KVLayout
-from .hf import describe_model, extract_slice, rebuild_cache
-from .hf_calibrate import check_model
+from ...calibration.artifact import Calibration, ratio_key
+from ...codec import Codec, container
+from ...errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError
+from ...fileio import write_atomic
+from ...layout import DTYPES, KVLayout
+from .adapter import adapter_for
 
 #: storage dtype of the KV in a blob (ratios are counted against it)
 DEFAULT_STORAGE_DTYPE = "bfloat16"
 
-__all__ = ["compress_cache", "restore_cache", "save_blob", "load_blob", "write_atomic", "is_hybrid", "DEFAULT_STORAGE_DTYPE"]
+__all__ = ["compress_cache", "restore_cache", "save_blob", "load_blob", "DEFAULT_STORAGE_DTYPE"]
 
 
 def compress_cache(
@@ -78,9 +76,10 @@ def compress_cache(
         codec = Codec(_as_calibration(calibration), ratio=ratio)
     elif calibration is not None:
         raise CalibrationError("pass either codec= or calibration=, not both")
+    adapter = adapter_for(model)
     if codec.calibration is not None:
-        check_model(codec.calibration, model)
-    kv = extract_slice(cache, model, positions=positions, model_id=model_id or _model_name(model))
+        adapter.check(codec.calibration)
+    kv = adapter.extract(cache, positions=positions, model_id=model_id or _model_name(model))
     if dtype is not None:
         name = dtype if isinstance(dtype, str) else next((n for n, d in DTYPES.items() if d == dtype), None)
         if name not in DTYPES:
@@ -104,27 +103,18 @@ def restore_cache(
     dtype and on its device.
 
     ``calibration``: the calibration the blob was encoded with (object or file; not needed for identity
-    blobs). Checked before anything is decoded: the blob's layout against the model's, the calibration's
-    layout and RoPE against the model's, and the blob's calibration hash against the calibration's.
+    blobs). Checked before anything is decoded: the calibration's layout and RoPE against the model's
+    (:meth:`~kvtc.calibration.artifact.Calibration.check_model`) and the blob's calibration hash against the
+    calibration's (which fixes the blob's layout); an identity blob's layout against the model's.
     ``linear_states``: required for hybrid models (see the module docstring).
-    Raises :class:`~kvtc.errors.FormatError` for a corrupt or truncated blob and
-    :class:`~kvtc.errors.CalibrationMismatch` for a blob, calibration or model that do not belong together.
+    Raises :class:`~kvtc.errors.FormatError` for a corrupt or truncated blob,
+    :class:`~kvtc.errors.CalibrationMismatch` for a blob, calibration or model that do not belong together and
+    :class:`~kvtc.errors.LayoutError` for an identity blob of another model.
     """
     header, _ = container.read_header(blob)
-    layout, _ = describe_model(model)
-    got = header.layout
-    if got.model_shape != layout.model_shape:
-        raise CalibrationMismatch(
-            f"the blob holds KV of layers {_short(got.layers)} x {got.num_kv_heads} heads x {got.head_dim} "
-            f"(model {header.model_id or 'unnamed'}), this model has layers {_short(layout.layers)} x "
-            f"{layout.num_kv_heads} x {layout.head_dim}; restore it with the model that made it"
-        )
-    if is_hybrid(model) and linear_states is None:
-        raise LayoutError(
-            "this hybrid model has linear-attention / SSM layers whose recurrent state a kvtc blob does not hold; "
-            "pass linear_states=<a cache holding those states> (e.g. the cache the blob was made from)"
-        )
+    adapter = adapter_for(model)
     if header.mode == "identity":
+        adapter.check_layout(header.layout, "the blob")
         codec = Codec.identity()
     else:
         if calibration is None:
@@ -133,22 +123,20 @@ def restore_cache(
                 "pass calibration=<that calibration file>"
             )
         cal = _as_calibration(calibration)
-        check_model(cal, model)
+        adapter.check(cal)
         if header.calibration != cal.hash:
             raise CalibrationMismatch(
                 f"the blob was encoded with calibration {str(header.calibration)[:16]}, not with "
                 f"{cal.fingerprint}; restore it with the calibration that encoded it"
             )
         codec = Codec(cal, ratio=float(ratio_key(float(header.ratio or 16))))
+    if adapter.hybrid and linear_states is None:
+        raise LayoutError(
+            "this hybrid model has linear-attention / SSM layers whose recurrent state a kvtc blob does not hold; "
+            "pass linear_states=<a cache holding those states> (e.g. the cache the blob was made from)"
+        )
     kv = codec.decode(blob, timings=timings)
-    return rebuild_cache(kv, model, linear_states=linear_states)
-
-
-def is_hybrid(model_or_config: Any) -> bool:
-    """True when the model has layers that keep a recurrent state instead of KV (linear attention, SSM)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    cache = DynamicCache(config=config)
-    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+    return adapter.rebuild(kv, model, linear_states=linear_states)
 
 
 def save_blob(path: str | os.PathLike[str], blob: bytes) -> Path:
@@ -185,6 +173,3 @@ def _model_name(model: Any) -> str:
     name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     return Path(name).name if name else ""
 
-
-def _short(layers: tuple[int, ...]) -> str:
-    return str(list(layers)) if len(layers) <= 6 else f"[{layers[0]}, {layers[1]}, ..., {layers[-1]}] ({len(layers)})"
