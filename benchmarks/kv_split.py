@@ -19,7 +19,7 @@ import _report
 import torch
 
 from kvtc import assets
-from kvtc.calibration import fit_calibration
+from kvtc.calibration import Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
 from kvtc.eval.methods import KVTC
 from kvtc.eval.protocols import storage_roundtrip
@@ -43,8 +43,10 @@ def main(argv: list[str]) -> int:
     layout, rope = describe_model(model)
     rows = list(collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), args.tokens, progress=False))
     grid = sorted({r for pairs in SPLITS.values() for pair in pairs for r in pair})
-    equal = fit_calibration(layout, rows, ratios=grid, kv_split="equal", rope=rope.to_dict(), model_id="smollm2")
-    joint = {w: fit_calibration(layout, rows, ratios=TOTALS, value_weight=w, rope=rope.to_dict(), model_id="smollm2")
+    equal = fit_calibration(layout, rows, Recipe(ratios=grid, kv_split="equal"), rope=rope.to_dict(),
+                            model_id="smollm2")
+    joint = {w: fit_calibration(layout, rows, Recipe(ratios=TOTALS, value_weight=w), rope=rope.to_dict(),
+                                model_id="smollm2")
              for w in (1.0, 2.0, 4.0)}
     pe = equal.stats["predicted_relative_error"]
     methods, meta = [], []

@@ -49,11 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .calibration.artifact import Calibration
     from .errors import CalibrationError
-    from .integrations.hf_calibrate import DEFAULT_TOKENS, default_calibration
+    from .integrations.hf_calibrate import DEFAULT_TOKENS, Recipe, default_calibration
 
     stages: dict[str, float] = {}
     t_all = time.perf_counter()
-    cal_path = args.calibration or default_calibration(tokens=args.calibration_tokens or DEFAULT_TOKENS, progress=True)
+    cal_path = args.calibration or default_calibration(Recipe(tokens=args.calibration_tokens or DEFAULT_TOKENS))
     cal = Calibration.load(cal_path)
     stages["calibration (load, or build once)"] = round(time.perf_counter() - t_all, 2)
     missing = [r for r in args.ratios if r not in cal.ratios]
