@@ -13,6 +13,7 @@ from kvtc import KVLayout, PCAGrouping
 from kvtc.calibration import Calibration, Plan, Recipe, fit_calibration, load_calibration
 from kvtc.calibration.artifact import FORMAT_VERSION
 from kvtc.calibration.digest import content_hash
+from kvtc.calibration.recipe import CHOICES
 from kvtc.codec import DEFAULT_SINKS
 from kvtc.errors import CalibrationError
 from kvtc.quant import DROP, INT4
@@ -142,6 +143,7 @@ def test_recipes_are_values_and_the_default_ones_have_names():
     assert Recipe(sensitivity="none").name == "r8u"
     assert Recipe(dp_rows=512).name is None and Recipe(grouping=PCAGrouping("layers", 1)).name is None
     assert Recipe().sinks == DEFAULT_SINKS
+    assert all(getattr(Recipe(), field) == allowed[0] for field, allowed in CHOICES.items())
     assert json.loads(json.dumps(Recipe().to_dict()))["types"][0] == "int2"
     with pytest.raises(CalibrationError, match="named recipe"):
         from kvtc.integrations.hf_calibrate import default_calibration_path

@@ -27,27 +27,10 @@ from .pca import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_RANK_CAP
 #: so that the quality-vs-bytes curve is dense where users choose: entropy coding stores about 1.12-1.15x
 #: more, so the 7, 7.5 and 8 targets store about 7.9x, 8.4x and 9x)
 DEFAULT_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
-#: PCA methods: "exact" (streamed covariance), "randomized" (subspace iteration), "auto" (exact up to 8,192 features)
-PCA_METHODS = ("auto", "exact", "randomized")
-#: how a ratio's bits are divided between keys and values: "joint" (one budget of 2·16p/CR shared by K and V,
-#: split to minimise the weighted relative errors; ours) or "equal" (16p/CR each)
-KV_SPLITS = ("joint", "equal")
 #: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
 #: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
 #: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
 DEFAULT_VALUE_WEIGHT = 2.0
-#: what the joint split compares: "relative" errors (each kind's error over its energy) or "weighted" ones (plain
-#: sums, for feature scales that keep the loss's own K-vs-V proportion)
-SPLIT_ERRORS = ("relative", "weighted")
-#: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
-#: squared error)
-SENSITIVITIES = ("fisher", "none")
-DEFAULT_SENSITIVITY = "fisher"
-#: how finely sensitivity weights are resolved: "head" (one per (layer, KV head), the mean of its dimensions) or
-#: "feature" (one per feature: on SmolLM2-135M it gave the least next-token KL, BENCHMARKS.md "Sensitivity
-#: weighting")
-SENSITIVITY_RESOLUTIONS = ("head", "feature")
-DEFAULT_SENSITIVITY_RESOLUTION = "feature"
 #: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
 #: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
 DEFAULT_SENSITIVITY_FLOOR = 0.01
@@ -55,12 +38,33 @@ DEFAULT_SENSITIVITY_FLOOR = 0.01
 DEFAULT_SENSITIVITY_WINDOWS = 8
 SENSITIVITY_CONTEXT = 2048
 SENSITIVITY_CONTINUATION = 256
-#: the labels whose loss gradients are measured: "text" (the empirical Fisher) or "model" (sampled: true Fisher)
-SENSITIVITY_LABELS = ("text", "model")
-DEFAULT_SENSITIVITY_LABELS = "text"
-#: how calibration windows are taken from the corpus: "spread" (seeded windows across all documents, round-robin
-#: over them) or "first" (consecutive windows from the first documents on)
-SAMPLINGS = ("spread", "first")
+#: the values each choice of a recipe may take (the first is the default)
+CHOICES: dict[str, tuple[str, ...]] = {
+    # the PCA: exact up to 8,192 features ("auto"), streamed covariance ("exact"), subspace iteration ("randomized")
+    "method": ("auto", "exact", "randomized"),
+    # a ratio's bits: one budget of 2·16p/CR shared by K and V, split where the weighted relative errors are least
+    # ("joint", ours), or 16p/CR each ("equal")
+    "kv_split": ("joint", "equal"),
+    # what the joint split compares: each kind's error over its energy ("relative") or plain sums ("weighted", for
+    # feature scales that keep the loss's own K-vs-V proportion)
+    "split_errors": ("relative", "weighted"),
+    # how the PCA weighs features: by the loss's measured sensitivity ("fisher", ours) or not at all ("none": the
+    # paper's plain squared error)
+    "sensitivity": ("fisher", "none"),
+    # one sensitivity weight per feature (the least next-token KL on SmolLM2-135M, BENCHMARKS.md "Sensitivity
+    # weighting") or per (layer, KV head), the mean of its dimensions
+    "sensitivity_resolution": ("feature", "head"),
+    # the labels whose loss gradients are measured: the text's own ("text": the empirical Fisher) or drawn from the
+    # model ("model": the true Fisher, sampled)
+    "sensitivity_labels": ("text", "model"),
+    # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
+    # first documents on ("first")
+    "sampling": ("spread", "first"),
+}
+KV_SPLITS = CHOICES["kv_split"]
+SENSITIVITIES = CHOICES["sensitivity"]
+SENSITIVITY_RESOLUTIONS = CHOICES["sensitivity_resolution"]
+SAMPLINGS = CHOICES["sampling"]
 DEFAULT_SAMPLING = "spread"
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
@@ -100,14 +104,14 @@ class Recipe:
     kv_split: str = "joint"
     value_weight: float = DEFAULT_VALUE_WEIGHT
     split_errors: str = "relative"
-    sensitivity: str = DEFAULT_SENSITIVITY
-    sensitivity_resolution: str = DEFAULT_SENSITIVITY_RESOLUTION
+    sensitivity: str = "fisher"
+    sensitivity_resolution: str = "feature"
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
     sensitivity_windows: int = DEFAULT_SENSITIVITY_WINDOWS
     sensitivity_context: int = SENSITIVITY_CONTEXT
     sensitivity_continuation: int = SENSITIVITY_CONTINUATION
-    sensitivity_labels: str = DEFAULT_SENSITIVITY_LABELS
-    sampling: str = DEFAULT_SAMPLING
+    sensitivity_labels: str = "text"
+    sampling: str = "spread"
     tokens: int = DEFAULT_TOKENS
     window: int = DEFAULT_WINDOW_TOKENS
     sinks: int = DEFAULT_CALIBRATION_SINKS
@@ -134,9 +138,7 @@ class Recipe:
         if not types or not all(isinstance(t, int) and t in known for t in types):
             _bad("types", self.types, f"give quantization type codes among {known} (kvtc.quant; dropping is implied)")
         object.__setattr__(self, "types", tuple(types))
-        for name, allowed in (("method", PCA_METHODS), ("kv_split", KV_SPLITS), ("split_errors", SPLIT_ERRORS),
-                              ("sensitivity", SENSITIVITIES), ("sensitivity_resolution", SENSITIVITY_RESOLUTIONS),
-                              ("sensitivity_labels", SENSITIVITY_LABELS), ("sampling", SAMPLINGS)):
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 _bad(name, getattr(self, name), f"use one of {', '.join(allowed)}")
         for name in ("value_weight", "sensitivity_floor"):
