@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     for m in meta:
         lines.append(f"| {m['total']}× | {m['label']} | {m['value_share']:.2f} | {m['pred_keys']:.4f} | "
                      f"{m['pred_values']:.4f} | {m['ratio']:.2f}× | {m['kl']:.5f} | {m['delta_ppl_pct']:+.2f}% |")
-    lines += ["", "Values' share chosen by the joint split (`fit_calibration(kv_split=\"joint\", value_weight=w)`): " +
+    lines += ["", "Values' share chosen by the joint split (`Recipe(kv_split=\"joint\", value_weight=w)`): " +
               "; ".join(f"w = {w}: " + ", ".join(f"{r}× → {v:.2f}" for r, v in d.items()) for w, d in chosen.items()) + "."]
     _report.update_section("kv_split", "\n".join(lines))
     print("\n".join(lines))
