@@ -24,7 +24,7 @@ from _report import command, machine, table, update_section, write_json  # noqa:
 
 from kvtc import assets  # noqa: E402
 from kvtc.calibration.artifact import Calibration  # noqa: E402
-from kvtc.integrations.hf_calibrate import DEFAULT_TOKENS, calibrate_model, default_calibration  # noqa: E402
+from kvtc.integrations.hf_calibrate import DEFAULT_TOKENS, Recipe, calibrate_model, default_calibration  # noqa: E402
 
 #: acceptance bound: a 100K-token calibration on 2 CPU cores
 BUDGET_S = 15 * 60
@@ -41,14 +41,14 @@ def main() -> None:
     if args.rerun:
         model, tok = assets.load_model("default")
         t0 = time.perf_counter()
-        cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), tokens=args.tokens,
+        cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), Recipe(tokens=args.tokens),
                               model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=True)
         wall = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as tmp:
             cal.save(Path(tmp) / "calibration.safetensors")
         source = "re-run by this script"
     else:
-        cal = Calibration.load(default_calibration(tokens=args.tokens, progress=True))
+        cal = Calibration.load(default_calibration(Recipe(tokens=args.tokens), progress=True))
         wall = None
         source = "timings recorded in the cached default calibration when it was built"
     secs = cal.stats.get("seconds", {})

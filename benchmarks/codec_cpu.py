@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, machine, table, update_section, write_json  # noqa: E402
 
 from kvtc import KVLayout, KVSlice  # noqa: E402
-from kvtc.calibration import fit_calibration  # noqa: E402
+from kvtc.calibration import Recipe, fit_calibration  # noqa: E402
 from kvtc.calibration.dp import allocate, budget_for_ratio  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
 
@@ -65,7 +65,8 @@ def main() -> None:
     p = layout.num_features
     krows, vrows = synthetic_rows(p, 1024, 1), synthetic_rows(p, 1024, 2)
     t0 = time.perf_counter()
-    cal = fit_calibration(layout, [(krows(4096), vrows(4096)), (krows(4096), vrows(4096))], ratios=(args.ratio,))
+    cal = fit_calibration(layout, [(krows(4096), vrows(4096)), (krows(4096), vrows(4096))],
+                          Recipe(ratios=(args.ratio,)))
     fit_s = time.perf_counter() - t0
 
     n = args.tokens

@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     # the same windows as `kvtc eval` (length context + continuation + 1, seed 0); their context is coded
     windows = {text: assets.token_windows(tok, assets.corpus(text), length, args.windows, seed=0) for text in TEXTS}
     if args.wiki_tokens:
-        from kvtc.integrations.hf_calibrate import calibrate_model
+        from kvtc.integrations.hf_calibrate import Recipe, calibrate_model
 
         # held out from every window `kvtc eval` scores by default (8), not only the ones coded here
         scored = assets.token_windows(tok, assets.corpus("wikipedia"), length, max(8, args.windows), seed=0)
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
             cals["Wikipedia (held out)"] = Calibration.load(wpath)
         else:
             docs = heldout_wikipedia(tok, scored)
-            cal = calibrate_model(model, tok, docs, tokens=args.wiki_tokens, model_id="smollm2",
+            cal = calibrate_model(model, tok, docs, Recipe(tokens=args.wiki_tokens), model_id="smollm2",
                                   corpus={"name": "wikipedia-heldout", "documents": len(docs)}, progress=False)
             wpath.parent.mkdir(parents=True, exist_ok=True)
             cal.save(wpath)

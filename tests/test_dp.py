@@ -179,7 +179,7 @@ def test_plan_serialisation_round_trip_and_validation():
 def test_prediction_equals_codec_encode_decode_on_the_dp_rows():
     """The DP's predicted error equals what Codec.encode/decode really does to the rows it measured."""
     from kvtc import KVLayout, KVSlice
-    from kvtc.calibration import fit_calibration
+    from kvtc.calibration import Recipe, fit_calibration
     from kvtc.codec import Codec
 
     layout = KVLayout(layers=(0, 1, 2, 3), num_kv_heads=2, head_dim=32, dtype="float32")
@@ -188,7 +188,7 @@ def test_prediction_equals_codec_encode_decode_on_the_dp_rows():
     q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
     x = (torch.randn(800, p, generator=g) * torch.logspace(1, -3, p)) @ q.T + 2.0
     # dp_rows >= the number of rows: the DP measures exactly these rows
-    cal = fit_calibration(layout, [(x, x)], ratios=(4, 16, 32), dp_rows=800)
+    cal = fit_calibration(layout, [(x, x)], Recipe(ratios=(4, 16, 32), dp_rows=800))
     kv = KVSlice(layout, x.reshape(1, 800, 4, 2, 32), x.reshape(1, 800, 4, 2, 32), torch.arange(800)[None])
     energy = float((x.double() - cal.pcas["keys"][0].mean.double()).square().sum())
     for r in (4, 16, 32):
@@ -202,7 +202,7 @@ def test_joint_kv_split_spends_the_shared_budget_where_the_weighted_error_is_lea
     """Values with a flatter spectrum than keys get more of the shared 2·16p/CR bits, the total holds,
     and the weighted relative error is no worse than the equal split's."""
     from kvtc import KVLayout
-    from kvtc.calibration import fit_calibration
+    from kvtc.calibration import Recipe, fit_calibration
 
     layout = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=32, dtype="float32")
     p = layout.num_features
@@ -210,8 +210,8 @@ def test_joint_kv_split_spends_the_shared_budget_where_the_weighted_error_is_lea
     keys = torch.randn(600, p, generator=g) * torch.logspace(1, -3, p)
     values = torch.randn(600, p, generator=g) * torch.logspace(0.5, -0.5, p)
     w = 2.0
-    cals = {mode: fit_calibration(layout, [(keys, values)], ratios=(8, 16), dp_rows=600, kv_split=mode,
-                                  value_weight=w) for mode in ("joint", "equal")}
+    cals = {mode: fit_calibration(layout, [(keys, values)], Recipe(ratios=(8, 16), dp_rows=600, kv_split=mode,
+                                                                   value_weight=w)) for mode in ("joint", "equal")}
     for r in (8, 16):
         budget = budget_for_ratio(p, r)
         pj = cals["joint"].plans_for(r)
@@ -227,4 +227,4 @@ def test_joint_kv_split_spends_the_shared_budget_where_the_weighted_error_is_lea
         assert objective(cals["joint"]) <= objective(cals["equal"]) * (1 + 1e-9)
         assert objective(cals["joint"]) < 0.95 * objective(cals["equal"])
     with pytest.raises(CalibrationError):
-        fit_calibration(layout, [(keys, values)], ratios=(8,), kv_split="halves")
+        fit_calibration(layout, [(keys, values)], Recipe(ratios=(8,), kv_split="halves"))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvtc.calibration import allocate, fit_calibration
+from kvtc.calibration import Recipe, allocate, fit_calibration
 from kvtc.calibration.dp import candidate_errors
 from kvtc.eval.greedy import greedy_allocate
 from kvtc.eval.methods import FP8, KIVI, Eviction, reference_bytes
@@ -91,8 +91,8 @@ def tiny_calibration(smollm2, tmp_path_factory):
     layout, rope = describe_model(model)
     rows = list(collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512,
                              progress=False))
-    cal = fit_calibration(layout, rows, ratios=(16,), grouping=PCAGrouping("layers", 1), rope=rope.to_dict(),
-                          dp_rows=256)
+    cal = fit_calibration(layout, rows, Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256),
+                          rope=rope.to_dict())
     path = tmp_path_factory.mktemp("cal") / "tiny.safetensors"
     cal.save(path)
     return path

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvtc import KVSlice
-from kvtc.calibration import Calibration, fit_calibration
+from kvtc.calibration import Calibration, Recipe, fit_calibration
 from kvtc.codec import Codec
 from kvtc.codec import container
 from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError
@@ -98,7 +98,7 @@ def test_blob_decoded_with_another_calibration_is_refused(cal, blob):
     layout = cal.layout
     g = torch.Generator().manual_seed(9)
     rows = [torch.randn(300, layout.num_features, generator=g)]
-    other = fit_calibration(layout, list(zip(rows, rows)), ratios=(8,), dp_rows=128)
+    other = fit_calibration(layout, list(zip(rows, rows)), Recipe(ratios=(8,), dp_rows=128))
     with pytest.raises(CalibrationMismatch):
         Codec(other, ratio=8).decode(blob)
     with pytest.raises(CalibrationMismatch):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtc import KVLayout
-from kvtc.calibration import fit_calibration
+from kvtc.calibration import Recipe, fit_calibration
 from kvtc.codec import Codec
 from kvtc.codec import nvcomp as gpu_entropy
 from kvtc.codec.entropy import BACKENDS
@@ -103,8 +103,8 @@ def setup(request):
         g = torch.Generator().manual_seed(5)
         scales = {k: torch.logspace(-1, 1, 6)[torch.randperm(6, generator=g)].repeat_interleave(64)
                   for k in ("keys", "values")}
-    cal = fit_calibration(layout, [(ks.rows(2048), vs.rows(2048)) for _ in range(3)], ratios=(4, 16, 64),
-                          dp_rows=1024, feature_scale=scales)
+    cal = fit_calibration(layout, [(ks.rows(2048), vs.rows(2048)) for _ in range(3)],
+                          Recipe(ratios=(4, 16, 64), dp_rows=1024), feature_scale=scales)
     kv = make_slice(layout, ks.rows(2 * 700), vs.rows(2 * 700), batch=2)
     return cal, kv
 

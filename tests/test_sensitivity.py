@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtc import KVLayout
-from kvtc.calibration import Calibration, fit_calibration, sensitivity_scales
+from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_scales
 from kvtc.calibration.dp import PAPER_TYPES
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
@@ -46,8 +46,8 @@ def cals() -> tuple[Calibration, Calibration, dict[str, torch.Tensor]]:
     k, v = _rows(0)
     rows = [(k[i : i + 1024], v[i : i + 1024]) for i in range(0, k.shape[0], 1024)]
     scales = _scales()
-    plain = fit_calibration(LAYOUT, rows, ratios=(4, 8), dp_rows=512)
-    weighted = fit_calibration(LAYOUT, rows, ratios=(4, 8), dp_rows=512, feature_scale=scales)
+    plain = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512))
+    weighted = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512), feature_scale=scales)
     return plain, weighted, scales
 
 
@@ -98,7 +98,7 @@ def test_weighted_codec_is_near_lossless_at_a_generous_ratio() -> None:
     # a wrong encode/decode basis pair (scale applied once, twice or on the wrong side) fails this at once
     k, v = _rows(2)
     scales = _scales()
-    cal = fit_calibration(LAYOUT, [(k, v)], ratios=(1.5,), dp_rows=1024, feature_scale=scales)
+    cal = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(1.5,), dp_rows=1024), feature_scale=scales)
     kv = make_slice(LAYOUT, k[:256], v[:256])
     codec = Codec(cal, 1.5, sinks=0, window=0)
     out = codec.decode(codec.encode(kv))
@@ -131,8 +131,7 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     back = Calibration.load(path)
     assert back.hash == weighted.hash and back.weighted
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
-    assert json.loads(_meta(path.read_bytes()))["version"] == (3 if weighted.extended_types else 2)
-    assert json.loads(_meta(plain.to_bytes()))["version"] == (3 if plain.extended_types else 1)
+    assert json.loads(_meta(path.read_bytes()))["version"] == 4 and json.loads(_meta(plain.to_bytes()))["version"] == 4
     assert weighted.stats["kv_split"]["errors"] == "relative"
 
 
@@ -150,18 +149,24 @@ def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
         Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
 
 
-def test_file_version_is_the_lowest_that_holds_the_calibration() -> None:
-    # the paper's types: version 1 (plain) or 2 (weighted), readable by older kvtc; ours (int3, scale-only): 3
+def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it() -> None:
+    # versions 1-3 (the paper's types plain: 1, weighted: 2; ours, int3 and scale-only: 3) are written again for a
+    # calibration read from such a file, with the hash of that version; a calibration made now is version 4
     k, v = _rows(0)
     scales = _scales()
-    plain = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, types=PAPER_TYPES)
-    weighted = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, types=PAPER_TYPES, feature_scale=scales)
-    ours = fit_calibration(LAYOUT, [(k, v)], ratios=(8, 16), dp_rows=512, feature_scale=scales)
+    plain = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES))
+    weighted = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES),
+                               feature_scale=scales)
+    ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8, 16), dp_rows=512), feature_scale=scales)
     assert not plain.extended_types and not weighted.extended_types and ours.extended_types
     for cal, version in ((plain, 1), (weighted, 2), (ours, 3)):
-        data = cal.to_bytes()
-        assert json.loads(_meta(data))["version"] == version
-        assert Calibration.from_bytes(data).hash == cal.hash
+        assert json.loads(_meta(cal.to_bytes()))["version"] == 4
+        old = Calibration(**{f: getattr(cal, f) for f in ("layout", "grouping", "pcas", "plans", "rope", "model_id",
+                                                          "corpus", "stats")}, legacy=True)
+        data = old.to_bytes()
+        assert json.loads(_meta(data))["version"] == version and "checksum" not in json.loads(_meta(data))
+        back = Calibration.from_bytes(data)
+        assert back.legacy and back.hash == old.hash != cal.hash
     # a file that claims version 2 but whose plans use version-3 types is corrupt
     meta = json.loads(_meta(ours.to_bytes()))
     meta["version"] = 2
@@ -174,14 +179,15 @@ def test_weighted_split_sums_the_weighted_errors(cals) -> None:
     k, v = _rows(0)
     joint = sensitivity_scales({"keys": torch.full((P,), 1.0), "values": torch.full((P,), 100.0)}, "feature",
                                normalize="joint")
-    cal = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, feature_scale=joint, split_errors="weighted",
-                          value_weight=1.0)
-    rel = fit_calibration(LAYOUT, [(k, v)], ratios=(8,), dp_rows=512, feature_scale=joint)
+    cal = fit_calibration(LAYOUT, [(k, v)],
+                          Recipe(ratios=(8,), dp_rows=512, split_errors="weighted", value_weight=1.0),
+                          feature_scale=joint)
+    rel = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512), feature_scale=joint)
     assert cal.stats["kv_split"]["errors"] == "weighted"
     # values weigh 100x more in the summed error: they get a larger share than the relative split gives them
     assert cal.stats["kv_split"]["value_share"]["8"][0] > rel.stats["kv_split"]["value_share"]["8"][0]
     with pytest.raises(CalibrationError, match="split_errors"):
-        fit_calibration(LAYOUT, [(k, v)], ratios=(8,), split_errors="weighted")
+        fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), split_errors="weighted"))
 
 
 def test_bad_feature_scales_are_refused() -> None:
@@ -190,7 +196,7 @@ def test_bad_feature_scales_are_refused() -> None:
                 {"keys": torch.ones(P - 1), "values": torch.ones(P - 1)},
                 {"keys": torch.full((P,), float("nan")), "values": torch.ones(P)}):
         with pytest.raises(CalibrationError, match="feature_scale"):
-            fit_calibration(LAYOUT, [(k, v)], ratios=(4,), feature_scale=bad)
+            fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(4,)), feature_scale=bad)
 
 
 def _meta(data: bytes) -> str:
@@ -265,10 +271,10 @@ def test_weighted_rows_stream_one_chunk_at_a_time() -> None:
     k, v = next(it)
     assert pulled == [0] and torch.allclose(k[0], scales["keys"])
     k, v = _rows(5, 512)
-    gen_cal = fit_calibration(LAYOUT, ((k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)), ratios=(4,),
-                              dp_rows=512, feature_scale=scales)
-    list_cal = fit_calibration(LAYOUT, [(k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)], ratios=(4,),
-                               dp_rows=512, feature_scale=scales)
+    gen_cal = fit_calibration(LAYOUT, ((k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)),
+                              Recipe(ratios=(4,), dp_rows=512), feature_scale=scales)
+    list_cal = fit_calibration(LAYOUT, [(k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)],
+                               Recipe(ratios=(4,), dp_rows=512), feature_scale=scales)
     assert torch.equal(gen_cal.pcas["keys"][0].basis, list_cal.pcas["keys"][0].basis)
 
 

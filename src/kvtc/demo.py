@@ -58,15 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .calibration.artifact import Calibration
     from .errors import CalibrationError
-    from .integrations.hf_calibrate import DEFAULT_TOKENS, default_calibration
+    from .integrations.hf_calibrate import DEFAULT_TOKENS, Recipe, default_calibration
 
     if args.context <= SINKS + WINDOW or args.score < 2 or args.generate < 1:
         raise KVTCError(f"--context must exceed the {SINKS} sinks + {WINDOW} window tokens kept exact, --score must "
                         f"be at least 2 and --generate at least 1; got {args.context}, {args.score}, {args.generate}")
     timer = StageTimer()
     with timer("calibration (load, or build once)"):
-        cal_path = args.calibration or default_calibration(tokens=args.calibration_tokens or DEFAULT_TOKENS,
-                                                           progress=True)
+        cal_path = args.calibration or default_calibration(Recipe(tokens=args.calibration_tokens or DEFAULT_TOKENS))
         cal = Calibration.load(cal_path)
     missing = [r for r in args.ratios if r not in cal.ratios]
     if missing:

@@ -2,19 +2,24 @@
 
 from .artifact import Calibration, ratio_key
 from .dp import Plan, allocate, allocate_for_error, budget_for_ratio
-from .fit import DEFAULT_RATIOS, fit_calibration, sensitivity_scales
+from .fit import fit_calibration, sensitivity_scales
+from .load import load_calibration
 from .pca import PCAResult, fit_pca
+from .recipe import DEFAULT_RATIOS, RECIPES, Recipe
 
 __all__ = [
     "DEFAULT_RATIOS",
+    "RECIPES",
     "Calibration",
     "PCAResult",
     "Plan",
+    "Recipe",
     "allocate",
     "allocate_for_error",
     "budget_for_ratio",
     "fit_calibration",
     "fit_pca",
+    "load_calibration",
     "ratio_key",
     "sensitivity_scales",
 ]

@@ -10,14 +10,13 @@ Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
 
 The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
 RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
-per kind and group, free-form statistics, and ``hash``: the SHA-256 of the canonical JSON (without
-``hash``) followed by every tensor's name, dtype, shape and bytes in name order. Loading recomputes the
-hash and validates every shape before anything is used; it never executes code (no pickle).
+per kind and group, free-form statistics, ``hash`` (the calibration's name: what decoding depends on) and
+``checksum`` (the whole file), see :mod:`kvtc.calibration.digest`. Loading recomputes both and validates every
+shape before anything is used; it never executes code (no pickle).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from ..fileio import write_atomic
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..layout import KVLayout, PCAGrouping
 from ..quant import DROP, FP8, INT2, INT4
+from .digest import content_hash, decoding_hash
 from .dp import Plan
 from .meta import parse_json, validate_meta
 from .pca import PCAResult
@@ -41,9 +41,10 @@ FORMAT_NAME = "kvtc-calibration"
 #: version 1: unweighted; version 2: some PCA group carries a feature scale (a version-1 reader must refuse it:
 #: ignoring the scale would decode garbage); version 3: some plan uses a quantization type beyond the paper's
 #: (int3 or a scale-only type, codes 4-8; an older reader refuses the file by its version instead of failing on
-#: an unknown type). A file is written with the lowest version that can hold it.
-FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: an unknown type); each was the lowest version that could hold the calibration. Version 4 (any content): the hash
+#: names what decoding depends on, a checksum guards the rest; written unless the calibration came from an older file.
+FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 KINDS = ("keys", "values")
@@ -75,6 +76,8 @@ class Calibration:
     corpus: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     library_version: str = __version__
+    #: read from a file of version 1-3: keeps that file's hash (blobs name it) and is saved in that version again
+    legacy: bool = False
 
     def __post_init__(self) -> None:
         self._columns = self.grouping.columns(self.layout)
@@ -217,7 +220,7 @@ class Calibration:
                     info["scaled"] = p.scale is not None
         return {
             "format": FORMAT_NAME,
-            "version": 3 if self.extended_types else 2 if self.weighted else 1,
+            "version": (3 if self.extended_types else 2 if self.weighted else 1) if self.legacy else FORMAT_VERSION,
             "library_version": self.library_version,
             "layout": self.layout.to_dict(),
             "grouping": self.grouping.to_dict(),
@@ -244,12 +247,17 @@ class Calibration:
         return out
 
     def _compute_hash(self) -> str:
-        return _content_hash(self._meta(), self._tensors())
+        if self.legacy:
+            return content_hash(self._meta(), self._tensors())
+        return decoding_hash(self.layout, self.grouping, self.rope, self.plans, self._tensors())
 
     def to_bytes(self) -> bytes:
         meta = self._meta()
         meta["hash"] = self.hash
-        return save(self._tensors(), metadata={"kvtc": json.dumps(meta, sort_keys=True)})
+        tensors = self._tensors()
+        if not self.legacy:
+            meta["checksum"] = content_hash(meta, tensors, skip="checksum")
+        return save(tensors, metadata={"kvtc": json.dumps(meta, sort_keys=True)})
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically (temp file, fsync, rename): a crash never leaves a half-written calibration."""
@@ -344,6 +352,7 @@ class Calibration:
                 corpus=dict(meta["corpus"]),
                 stats=dict(meta["stats"]),
                 library_version=str(meta["library_version"]),
+                legacy=meta["version"] < FORMAT_VERSION,
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):
@@ -352,6 +361,8 @@ class Calibration:
         if cal.extended_types and meta.get("version", 0) < 3:
             raise CalibrationError(f"{source}: a version-{meta.get('version')} calibration with quantization types "
                                    "of version 3; the file is corrupt")
+        if not cal.legacy and content_hash(meta, tensors, skip="checksum") != meta.get("checksum"):
+            raise CalibrationError(f"{source}: checksum mismatch (file corrupt or edited); recalibrate (`kvtc calibrate`)")
         if cal.hash != meta.get("hash"):
             raise CalibrationError(
                 f"{source}: content hash mismatch (file corrupt or edited); recreate it with `kvtc calibrate`"
@@ -428,14 +439,3 @@ def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
         return names
     except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None
-
-
-def _content_hash(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    meta = {k: v for k, v in meta.items() if k != "hash"}
-    h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()

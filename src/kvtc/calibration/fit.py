@@ -15,36 +15,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..errors import CalibrationError
-from ..layout import KVLayout, PCAGrouping
+from ..layout import KVLayout
 from .artifact import KINDS, Calibration, ratio_key
-from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES, ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
-from .pca import (
-    DEFAULT_OVERSAMPLE,
-    DEFAULT_POWER_ITERS,
-    DEFAULT_RANK_CAP,
-    EXACT_MAX_FEATURES,
-    CovarianceAccumulator,
-    PCAResult,
-    randomized_pca,
-)
-
-#: target ratios of a calibration; one basis serves all of them (the paper's 8/16/32/64 and points between,
-#: so that the quality-vs-bytes curve is dense where users choose: entropy coding stores about 1.12-1.15x
-#: more, so the 7, 7.5 and 8 targets store about 7.9x, 8.4x and 9x)
-DEFAULT_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
-#: how a ratio's bits are divided between keys and values: "joint" (one budget of 2·16p/CR shared by K and V,
-#: split to minimise the weighted relative errors; ours) or "equal" (16p/CR each)
-KV_SPLITS = ("joint", "equal")
-#: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
-#: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
-#: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
-DEFAULT_VALUE_WEIGHT = 2.0
-#: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
-#: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
-DEFAULT_SENSITIVITY_FLOOR = 0.01
-#: how finely sensitivity weights are resolved: "head" (one per (layer, KV head), the mean of its dimensions) or
-#: "feature" (one per feature)
-SENSITIVITY_RESOLUTIONS = ("head", "feature")
+from .dp import ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
+from .pca import EXACT_MAX_FEATURES, CovarianceAccumulator, PCAResult, randomized_pca
+from .recipe import (DEFAULT_RATIOS, DEFAULT_SENSITIVITY_FLOOR, DEFAULT_VALUE_WEIGHT, KV_SPLITS,
+                     SENSITIVITY_RESOLUTIONS, Recipe)
 
 Source = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
 
@@ -77,57 +53,52 @@ class _Reservoir:
 def fit_calibration(
     layout: KVLayout,
     rows: Source,
-    ratios: Sequence[float] = DEFAULT_RATIOS,
-    grouping: PCAGrouping = PCAGrouping(),
-    rank_cap: int = DEFAULT_RANK_CAP,
-    dp_rows: int = DEFAULT_DP_ROWS,
-    method: str = "auto",
-    power_iters: int = DEFAULT_POWER_ITERS,
-    oversample: int = DEFAULT_OVERSAMPLE,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    types: Sequence[int] = DEFAULT_TYPES,
+    recipe: Recipe = Recipe(),
+    *,
+    feature_scale: Mapping[str, torch.Tensor] | None = None,
     rope: dict[str, Any] | None = None,
     model_id: str = "",
     corpus: dict[str, Any] | None = None,
     device: torch.device | str = "cpu",
-    seed: int = 0,
     progress: Callable[[str], None] | None = None,
-    kv_split: str = "joint",
-    value_weight: float = DEFAULT_VALUE_WEIGHT,
-    feature_scale: Mapping[str, torch.Tensor] | None = None,
-    split_errors: str = "relative",
 ) -> Calibration:
-    """PCA + DP for keys and values and every PCA group. The basis is cut to the components some plan keeps.
+    """PCA + DP for keys and values and every PCA group, as ``recipe`` says (its fitting fields: ratios,
+    grouping, PCA, DP, K/V split, seed). The basis is cut to the components some plan keeps.
 
     ``rows`` yields ``(key_rows, value_rows)`` pairs of ``[n, p]`` tensors (a list, or a function returning
     a fresh iterator). The exact PCA consumes it in one pass (so a model forward pass producing the rows
     runs once); the randomized PCA passes over it ``3 + power_iters`` times per kind and needs a function.
 
-    ``kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR`` bits
-    per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
+    ``recipe.kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR``
+    bits per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
     calibration rows) is least; ``"equal"`` gives each ``16p/CR`` (the paper's rule applied per kind).
 
-    ``feature_scale`` (ours): ``{"keys": [p], "values": [p]}`` positive scales (see :func:`sensitivity_scales`);
+    ``feature_scale`` (ours): ``{"keys": [p], "values": [p]}`` positive scales (see :func:`sensitivity_scales`;
+    :func:`~kvtc.integrations.hf_calibrate.calibrate_model` measures them when ``recipe.sensitivity="fisher"``;
+    without them the fit is the paper's plain squared error whatever ``recipe.sensitivity`` says);
     the PCA and the DP then run on ``x ∘ scale``, so the squared error they minimise is weighted by
     ``scale²``, the loss's sensitivity to each feature; the energies and errors above are then weighted ones.
-    ``split_errors="weighted"`` splits on ``err_K + value_weight·err_V`` instead of relative errors (for scales
-    that keep the loss's own K-vs-V proportion, ``sensitivity_scales(..., normalize="joint")``).
+    ``recipe.split_errors="weighted"`` splits on ``err_K + value_weight·err_V`` instead of relative errors (for
+    scales that keep the loss's own K-vs-V proportion, ``sensitivity_scales(..., normalize="joint")``).
+
+    ``rope`` (the model's RoPE spec), ``model_id`` and ``corpus`` (free-form notes) are stored as given.
     """
+    if not isinstance(recipe, Recipe):
+        raise CalibrationError(f"recipe must be a kvtc.calibration.Recipe, got {type(recipe).__name__}; "
+                               "e.g. fit_calibration(layout, rows, Recipe(ratios=(8, 16)))")
     say = progress or (lambda _msg: None)
     p = layout.num_features
+    ratios, dp_rows, kv_split, value_weight = recipe.ratios, recipe.dp_rows, recipe.kv_split, recipe.value_weight
+    split_errors, seed = recipe.split_errors, recipe.seed
     scales = _check_scales(feature_scale, p)
-    if split_errors not in ("relative", "weighted") or (split_errors == "weighted" and not scales):
-        raise CalibrationError(f"split_errors must be 'relative' or, with feature_scale, 'weighted'; got {split_errors!r}")
+    if split_errors == "weighted" and not scales:
+        raise CalibrationError("recipe split_errors='weighted' compares sensitivity-weighted errors: pass "
+                               "feature_scale, or use split_errors='relative'")
     if scales:
         rows = _scaled_source(rows, scales["keys"], scales["values"])
-    cols = grouping.columns(layout)
-    use_exact = method == "exact" or (method == "auto" and max(c.numel() for c in cols) <= EXACT_MAX_FEATURES)
-    if method not in ("auto", "exact", "randomized"):
-        raise CalibrationError(f"unknown PCA method {method!r}; use 'exact', 'randomized' or 'auto'")
-    if kv_split not in KV_SPLITS:
-        raise CalibrationError(f"unknown K/V budget split {kv_split!r}; use one of {', '.join(KV_SPLITS)}")
-    if not value_weight > 0:
-        raise CalibrationError(f"value_weight must be positive, got {value_weight}")
+    cols = recipe.grouping.columns(layout)
+    widest = max(c.numel() for c in cols)
+    use_exact = recipe.method == "exact" or (recipe.method == "auto" and widest <= EXACT_MAX_FEATURES)
     if not use_exact and not callable(rows):
         raise CalibrationError("randomized PCA passes over the rows several times: pass a function returning them")
     reservoirs = {kind: _Reservoir(dp_rows, seed + i) for i, kind in enumerate(KINDS)}
@@ -146,7 +117,7 @@ def fit_calibration(
             n += pair[0].shape[0]
             say(f"accumulated {n} rows")
         say("eigendecomposition")
-        results = {kind: [acc.finalize(rank_cap) for acc in accs[kind]] for kind in KINDS}
+        results = {kind: [acc.finalize(recipe.rank_cap) for acc in accs[kind]] for kind in KINDS}
     else:
         for pair in _iterate(rows):
             for kind, x in zip(KINDS, _check_pair(pair, p)):
@@ -156,7 +127,8 @@ def fit_calibration(
             for g, c in enumerate(cols):
                 say(f"{kind}: randomized PCA of group {g} (p={c.numel()})")
                 sub = (lambda c=c, i=i: (pr[i].to(device, torch.float32)[:, c.to(device)] for pr in _iterate(rows)))
-                results[kind].append(randomized_pca(sub, c.numel(), rank_cap, power_iters, oversample, device, seed))
+                results[kind].append(randomized_pca(sub, c.numel(), recipe.rank_cap, recipe.power_iters,
+                                                    recipe.oversample, device, seed))
     stats["seconds"]["pca"] = round(time.perf_counter() - t0, 3)
     pcas: dict[str, list[PCAResult]] = {}
     plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
@@ -181,7 +153,7 @@ def fit_calibration(
             energy[kind] = max(float(x.double().square().sum()), 1e-30)
             resid[kind] = max(energy[kind] - float(coeffs.double().square().sum()), 0.0)
             say(f"{kind}: bit allocation table for group {g}")
-            curves[kind] = error_curve(coeffs, share * max(budgets), sizes, types)
+            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types)
             del x, coeffs
         for r, budget in zip(ratios, budgets):
             if kv_split == "joint" and split_errors == "weighted":
@@ -208,7 +180,7 @@ def fit_calibration(
     stats["samples"] = pcas["keys"][0].samples
     return Calibration(
         layout=layout,
-        grouping=grouping,
+        grouping=recipe.grouping,
         pcas=pcas,
         plans=plans,
         rope=rope,
@@ -304,5 +276,5 @@ def _check_rows(rows: torch.Tensor, p: int) -> None:
         raise CalibrationError(f"calibration rows must be [n, {p}] tensors, got {shape}")
 
 
-__all__ = ["DEFAULT_RATIOS", "DEFAULT_SENSITIVITY_FLOOR", "DEFAULT_VALUE_WEIGHT", "KINDS", "KV_SPLITS",
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_SENSITIVITY_FLOOR", "DEFAULT_VALUE_WEIGHT", "KINDS", "KV_SPLITS", "Recipe",
            "fit_calibration", "sensitivity_scales"]

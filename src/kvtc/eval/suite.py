@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from .. import __version__, assets
-from ..calibration import Calibration, fit_calibration
+from ..calibration import Calibration, Recipe, fit_calibration, load_calibration
+from ..calibration.load import DEFAULT_CALIBRATION
+from ..calibration.recipe import RECIPES, UNWEIGHTED_RECIPE
 from ..layout import PCAGrouping
 from ..progress import StageTimer, bar
 from .greedy import greedy_calibration, paper_types_calibration
@@ -94,12 +96,10 @@ def _texts(names: Sequence[str]) -> list[str]:
 
 
 def _load_calibration(cfg: EvalConfig) -> tuple[Calibration, str]:
-    if cfg.calibration:
-        return Calibration.load(cfg.calibration), str(Path(cfg.calibration).name)
-    from ..integrations.hf_calibrate import default_calibration
+    from ..integrations.hf_calibrate import default_calibration_path
 
-    path = default_calibration(progress=cfg.progress)
-    return Calibration.load(path), path.name
+    name = Path(cfg.calibration).name if cfg.calibration else default_calibration_path().name
+    return load_calibration(cfg.calibration or DEFAULT_CALIBRATION, model=cfg.model, progress=cfg.progress), name
 
 
 def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibration) -> tuple[dict[str, Calibration], dict[str, Any]]:
@@ -128,7 +128,7 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
     # the same sensitivity weighting as the global calibration: this ablation changes the grouping only
     scales = {k: cal.feature_scale(k) for k in ("keys", "values")} if cal.weighted else None
     with timer("per_layer_fit_s"):
-        per_layer = fit_calibration(layout, rows, ratios=ratios, grouping=PCAGrouping("layers", 1),
+        per_layer = fit_calibration(layout, rows, Recipe(ratios=ratios, grouping=PCAGrouping("layers", 1)),
                                     rope=rope.to_dict(), model_id=cal.model_id, feature_scale=scales,
                                     corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens})
     _say(cfg, "greedy bit plans on the default basis")
@@ -241,7 +241,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
             from ..integrations.hf_calibrate import default_calibration
 
             with timer("ablation_calibration"):
-                plain = Calibration.load(default_calibration(progress=cfg.progress, sensitivity="none"))
+                plain = Calibration.load(default_calibration(RECIPES[UNWEIGHTED_RECIPE], progress=cfg.progress))
             out["ablation_calibration"]["unweighted"] = {"fingerprint": plain.fingerprint, "corpus": plain.corpus}
             methods += [KVTC(plain, r, name="kvtc-unweighted", label=f"kvtc without sensitivity weighting {r:g}x")
                         for r in cfg.ablation_ratios]

@@ -19,41 +19,20 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..calibration import Calibration, fit_calibration
-from ..calibration.fit import DEFAULT_RATIOS, DEFAULT_SENSITIVITY_FLOOR, sensitivity_scales
+from ..calibration.fit import sensitivity_scales
+from ..calibration.recipe import (DEFAULT_RECIPE, DEFAULT_SAMPLING, DEFAULT_SENSITIVITY_WINDOWS, DEFAULT_TOKENS,
+                                  DEFAULT_WINDOW_TOKENS, SAMPLINGS, SENSITIVITIES, SENSITIVITY_CONTEXT,
+                                  SENSITIVITY_CONTINUATION, UNWEIGHTED_RECIPE, RECIPES, Recipe)
 from ..codec import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import CalibrationError
-from ..layout import KVSlice, PCAGrouping
+from ..layout import KVSlice
 from .hf import describe_model, extract_slice, rebuild_cache
 
 log = logging.getLogger(__name__)
 
-#: tokens per calibration window (the paper used documents of 1K–32K tokens)
-DEFAULT_WINDOW_TOKENS = 1024
-#: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
-DEFAULT_TOKENS = 100_000
-#: names the fitting recipe of the cached default calibration (ratio grid, K/V split, sensitivity weighting,
-#: quantization types, sampling); a new recipe is a new file. r8: windows spread across the corpus, Fisher-weighted
-#: per feature (each kind normalised apart), every quantization type with the DP's clips, targets 6-64 with 7.5
-#: and 10 between; r8u: the same without weighting (``sensitivity="none"``). r7 took the corpus's first windows.
-DEFAULT_RECIPE = "r8"
-UNWEIGHTED_RECIPE = "r8u"
-#: how the PCA weighs features: "fisher" (ours: by the loss's measured sensitivity) or "none" (the paper's plain
-#: squared error)
-SENSITIVITIES = ("fisher", "none")
-DEFAULT_SENSITIVITY = "fisher"
-#: windows of the calibration corpus whose loss gradients measure the sensitivity, and their shape
-DEFAULT_SENSITIVITY_WINDOWS = 8
-#: one weight per feature: on SmolLM2-135M it gave the least next-token KL of per-feature and per-(layer, head)
-#: weights (BENCHMARKS.md, "Sensitivity weighting")
-DEFAULT_SENSITIVITY_RESOLUTION = "feature"
-#: the labels whose loss gradients are measured: "text" (the empirical Fisher) or "model" (sampled: true Fisher)
-DEFAULT_SENSITIVITY_LABELS = "text"
-SENSITIVITY_CONTEXT = 2048
-SENSITIVITY_CONTINUATION = 256
-#: how calibration windows are taken from the corpus: "spread" (seeded windows across all documents, round-robin
-#: over them) or "first" (consecutive windows from the first documents on)
-SAMPLINGS = ("spread", "first")
-DEFAULT_SAMPLING = "spread"
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_TOKENS", "DEFAULT_WINDOW_TOKENS", "SAMPLINGS", "SENSITIVITIES",
+           "UNWEIGHTED_RECIPE", "Recipe", "calibrate_model", "collect_rows", "corpus_windows",
+           "default_calibration", "default_calibration_path", "measure_sensitivity", "token_windows"]
 
 
 def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None) -> Iterator[torch.Tensor]:
@@ -226,61 +205,59 @@ def calibrate_model(
     model: Any,
     tokenizer: Any,
     texts: Sequence[str],
-    tokens: int = DEFAULT_TOKENS,
-    ratios: Sequence[float] = DEFAULT_RATIOS,
-    window: int = DEFAULT_WINDOW_TOKENS,
-    sinks: int = DEFAULT_SINKS,
-    grouping: PCAGrouping = PCAGrouping(),
+    recipe: Recipe = Recipe(),
+    *,
     model_id: str = "",
     corpus: dict[str, Any] | None = None,
     progress: bool = True,
-    sensitivity: str = DEFAULT_SENSITIVITY,
-    sensitivity_windows: int = DEFAULT_SENSITIVITY_WINDOWS,
-    sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR,
-    sensitivity_resolution: str = DEFAULT_SENSITIVITY_RESOLUTION,
-    sensitivity_labels: str = DEFAULT_SENSITIVITY_LABELS,
-    sampling: str = DEFAULT_SAMPLING,
-    **fit_kwargs: Any,
+    feature_scale: dict[str, torch.Tensor] | None = None,
 ) -> Calibration:
-    """Calibration of ``model`` on ``texts``: pre-RoPE PCA bases and a DP bit plan per ratio.
+    """Calibration of ``model`` on ``texts`` made as ``recipe`` says: pre-RoPE PCA bases and a DP bit plan per
+    ratio (:func:`~kvtc.calibration.fit.fit_calibration`).
 
-    ``tokens`` calibration rows are taken from windows of ``window`` tokens, the first ``sinks`` positions of
-    each excluded, drawn across the corpus (``sampling="spread"``) or from its start (``"first"``). The model's
-    RoPE spec is stored in the calibration and checked whenever it is used.
+    ``recipe.tokens`` calibration rows are taken from windows of ``recipe.window`` tokens, the first
+    ``recipe.sinks`` positions of each excluded, drawn across the corpus (``sampling="spread"``) or from its start
+    (``"first"``). The model's RoPE spec is stored in the calibration and checked whenever it is used.
 
-    ``sensitivity="fisher"`` (default; ours) first measures the loss's sensitivity to every cached feature on
-    ``sensitivity_windows`` windows of the same texts (:func:`measure_sensitivity`) and fits on rows weighted by
+    ``recipe.sensitivity="fisher"`` (default; ours) first measures the loss's sensitivity to every cached feature
+    on ``sensitivity_windows`` windows of the same texts (:func:`measure_sensitivity`) and fits on rows weighted by
     it, one weight per feature (``sensitivity_resolution="head"``: per (layer, KV head)), floored at
     ``sensitivity_floor`` of the mean (:func:`~kvtc.calibration.fit.sensitivity_scales`); ``"none"`` fits the
-    paper's plain squared error.
+    paper's plain squared error. ``feature_scale`` given: those scales, nothing measured. ``model_id`` (default:
+    the model's own name) and ``corpus`` (notes on the texts) are stored; the recipe goes into the statistics.
     """
-    if sensitivity not in SENSITIVITIES:
-        raise CalibrationError(f"unknown sensitivity {sensitivity!r}; use one of {', '.join(SENSITIVITIES)}")
-    if sampling not in SAMPLINGS:
-        raise CalibrationError(f"unknown sampling {sampling!r}; use one of {', '.join(SAMPLINGS)}")
+    if not isinstance(recipe, Recipe):
+        raise CalibrationError(f"recipe must be a kvtc.calibration.Recipe, got {type(recipe).__name__}; "
+                               "e.g. calibrate_model(model, tokenizer, texts, Recipe(tokens=20_000))")
     layout, rope = describe_model(model)
     t0 = time.perf_counter()
-    meta_sens: dict[str, Any] = {"method": sensitivity}
-    if sensitivity == "fisher" and "feature_scale" not in fit_kwargs:
-        fisher = measure_sensitivity(model, tokenizer, texts, windows=sensitivity_windows, sinks=sinks,
-                                     progress=progress, labels=sensitivity_labels, sampling=sampling)
-        fit_kwargs["feature_scale"] = sensitivity_scales(fisher, sensitivity_resolution, sensitivity_floor,
-                                                         layout.head_dim)
-        meta_sens.update(windows=sensitivity_windows, context=SENSITIVITY_CONTEXT,
-                         continuation=SENSITIVITY_CONTINUATION, resolution=sensitivity_resolution,
-                         labels=sensitivity_labels, normalize="kind", floor=sensitivity_floor,
+    meta_sens: dict[str, Any] = {"method": recipe.sensitivity}
+    if recipe.sensitivity == "fisher" and feature_scale is None:
+        normalize = "joint" if recipe.split_errors == "weighted" else "kind"
+        fisher = measure_sensitivity(model, tokenizer, texts, windows=recipe.sensitivity_windows,
+                                     context=recipe.sensitivity_context, continuation=recipe.sensitivity_continuation,
+                                     sinks=recipe.sinks, progress=progress, labels=recipe.sensitivity_labels,
+                                     seed=recipe.seed, sampling=recipe.sampling)
+        feature_scale = sensitivity_scales(fisher, recipe.sensitivity_resolution, recipe.sensitivity_floor,
+                                           layout.head_dim, normalize=normalize)
+        meta_sens.update(windows=recipe.sensitivity_windows, context=recipe.sensitivity_context,
+                         continuation=recipe.sensitivity_continuation, resolution=recipe.sensitivity_resolution,
+                         labels=recipe.sensitivity_labels, normalize=normalize, floor=recipe.sensitivity_floor,
                          seconds=round(time.perf_counter() - t0, 3))
-    rows = collect_rows(model, tokenizer, texts, tokens, window, sinks, progress, sampling)
+    rows = collect_rows(model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling,
+                        recipe.seed)
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
-    meta.update({"tokens": tokens, "window": window, "sinks_excluded": sinks, "sampling": sampling,
-                 "sensitivity": meta_sens})
-    cal = fit_calibration(layout, _timed(rows, meta), ratios=ratios, grouping=grouping, rope=rope.to_dict(),
+    meta.update({"tokens": recipe.tokens, "window": recipe.window, "sinks_excluded": recipe.sinks,
+                 "sampling": recipe.sampling, "sensitivity": meta_sens})
+    cal = fit_calibration(layout, _timed(rows, meta), recipe, feature_scale=feature_scale, rope=rope.to_dict(),
                           model_id=model_id or str(getattr(model.config, "_name_or_path", "")), corpus=meta,
-                          progress=say, **fit_kwargs)
+                          progress=say)
+    # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     cal.stats["seconds"]["collect"] = meta.pop("_collect_s", None)
-    return Calibration(cal.layout, cal.grouping, cal.pcas, cal.plans, cal.rope, cal.model_id, cal.corpus, cal.stats)
+    cal.stats["recipe"] = recipe.to_dict()
+    return cal
 
 
 def _timed(rows: Iterator[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -296,34 +273,38 @@ def _timed(rows: Iterator[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, An
     meta["_collect_s"] = round(spent, 3)
 
 
-def check_model(calibration: Calibration, model: Any) -> None:
-    """Refuse a calibration made for another model (layout or RoPE differ)."""
-    layout, rope = describe_model(model)
-    calibration.check_model(layout, rope, model=f"model {getattr(getattr(model, 'config', None), 'name_or_path', '') or 'given'}")
-
-
-def default_calibration(tokens: int = DEFAULT_TOKENS, progress: bool = True,
-                        sensitivity: str = DEFAULT_SENSITIVITY) -> Path:
-    """The embedded default's calibration (SmolLM2 on pre-2000 State of the Union speeches), built on first
-    use and cached; returns its path. ``sensitivity="none"``: the unweighted one (the eval's ablation)."""
+def default_calibration(recipe: Recipe = Recipe(), progress: bool = True) -> Path:
+    """The embedded default's calibration (SmolLM2 on pre-2000 State of the Union speeches) made with a named
+    ``recipe`` (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r8, ``Recipe(sensitivity="none")`` r8u,
+    the unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path."""
     from .. import assets
 
-    if sensitivity not in SENSITIVITIES:
-        raise CalibrationError(f"unknown sensitivity {sensitivity!r}; use one of {', '.join(SENSITIVITIES)}")
-    recipe = DEFAULT_RECIPE if sensitivity == "fisher" else UNWEIGHTED_RECIPE
-    path = assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{tokens}-{recipe}.safetensors"
+    path = default_calibration_path(recipe)
     if path.is_file():
         return path
     with assets.file_lock(path.with_suffix(".lock")):
         if path.is_file():
             return path
         model, tok = assets.load_model("default")
-        log.info("building the default calibration (%d tokens); this happens once", tokens)
-        cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), tokens=tokens,
-                              model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=progress,
-                              sensitivity=sensitivity)
+        log.info("building the default calibration (%d tokens); this happens once", recipe.tokens)
+        cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), recipe,
+                              model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=progress)
         cal.save(path)
     return path
+
+
+def default_calibration_path(recipe: Recipe = Recipe()) -> Path:
+    """Where :func:`default_calibration` caches the calibration of ``recipe`` (which must be a named one)."""
+    from .. import assets
+
+    name = recipe.name
+    if name is None:
+        raise CalibrationError(
+            f"the cached default calibrations are made with a named recipe ({', '.join(RECIPES)}, any "
+            "tokens), and this one is none of them; calibrate with calibrate_model(model, tokenizer, texts, recipe) "
+            "and save the result"
+        )
+    return assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{recipe.tokens}-{name}.safetensors"
 
 
 def _bar(total: int, desc: str, enabled: bool) -> Any:

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ...calibration.artifact import Calibration, ratio_key
+from ...calibration.load import load_calibration
 from ...codec import Codec, container
 from ...errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError
 from ...fileio import write_atomic
@@ -73,7 +74,7 @@ def compress_cache(
                 "compress_cache needs a codec or a calibration; pass calibration=<file or Calibration> "
                 "(the embedded default: kvtc.integrations.hf_calibrate.default_calibration())"
             )
-        codec = Codec(_as_calibration(calibration), ratio=ratio)
+        codec = Codec(load_calibration(calibration), ratio=ratio)
     elif calibration is not None:
         raise CalibrationError("pass either codec= or calibration=, not both")
     adapter = adapter_for(model)
@@ -122,7 +123,7 @@ def restore_cache(
                 f"this blob was encoded with calibration {header.calibration[:16]}; "  # type: ignore[index]
                 "pass calibration=<that calibration file>"
             )
-        cal = _as_calibration(calibration)
+        cal = load_calibration(calibration)
         adapter.check(cal)
         if header.calibration != cal.hash:
             raise CalibrationMismatch(
@@ -163,10 +164,6 @@ def load_blob(path: str | os.PathLike[str]) -> bytes:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _as_calibration(calibration: Calibration | str | os.PathLike[str]) -> Calibration:
-    return calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
 
 
 def _model_name(model: Any) -> str:

@@ -1,0 +1,200 @@
+"""The calibration recipe: every choice a calibration is made with, in one frozen value.
+
+A :class:`Recipe` holds what :func:`~kvtc.calibration.fit.fit_calibration` (PCA and bit plans) and
+:func:`~kvtc.integrations.hf_calibrate.calibrate_model` (corpus sampling, sensitivity measurement) decide; the
+data they work on (rows, model, texts, RoPE, model id, corpus notes) is passed beside it. Two calibrations of equal
+recipes on the same data are the same calibration: same tensors, same plans, same content hash.
+
+The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r8`` is ``Recipe()``,
+``r8u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
+the token count), so a new default recipe is a new name and a new file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CalibrationError
+from ..layout import PCAGrouping
+from ..quant import DROP, TYPE_NAMES
+from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES
+from .pca import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_RANK_CAP
+
+#: target ratios of a calibration; one basis serves all of them (the paper's 8/16/32/64 and points between,
+#: so that the quality-vs-bytes curve is dense where users choose: entropy coding stores about 1.12-1.15x
+#: more, so the 7, 7.5 and 8 targets store about 7.9x, 8.4x and 9x)
+DEFAULT_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
+#: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
+#: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
+#: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
+DEFAULT_VALUE_WEIGHT = 2.0
+#: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
+#: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
+DEFAULT_SENSITIVITY_FLOOR = 0.01
+#: windows of the calibration corpus whose loss gradients measure the sensitivity, and their shape
+DEFAULT_SENSITIVITY_WINDOWS = 8
+SENSITIVITY_CONTEXT = 2048
+SENSITIVITY_CONTINUATION = 256
+#: the values each choice of a recipe may take (the first is the default)
+CHOICES: dict[str, tuple[str, ...]] = {
+    # the PCA: exact up to 8,192 features ("auto"), streamed covariance ("exact"), subspace iteration ("randomized")
+    "method": ("auto", "exact", "randomized"),
+    # a ratio's bits: one budget of 2·16p/CR shared by K and V, split where the weighted relative errors are least
+    # ("joint", ours), or 16p/CR each ("equal")
+    "kv_split": ("joint", "equal"),
+    # what the joint split compares: each kind's error over its energy ("relative") or plain sums ("weighted", for
+    # feature scales that keep the loss's own K-vs-V proportion)
+    "split_errors": ("relative", "weighted"),
+    # how the PCA weighs features: by the loss's measured sensitivity ("fisher", ours) or not at all ("none": the
+    # paper's plain squared error)
+    "sensitivity": ("fisher", "none"),
+    # one sensitivity weight per feature (the least next-token KL on SmolLM2-135M, BENCHMARKS.md "Sensitivity
+    # weighting") or per (layer, KV head), the mean of its dimensions
+    "sensitivity_resolution": ("feature", "head"),
+    # the labels whose loss gradients are measured: the text's own ("text": the empirical Fisher) or drawn from the
+    # model ("model": the true Fisher, sampled)
+    "sensitivity_labels": ("text", "model"),
+    # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
+    # first documents on ("first")
+    "sampling": ("spread", "first"),
+}
+KV_SPLITS = CHOICES["kv_split"]
+SENSITIVITIES = CHOICES["sensitivity"]
+SENSITIVITY_RESOLUTIONS = CHOICES["sensitivity_resolution"]
+SAMPLINGS = CHOICES["sampling"]
+DEFAULT_SAMPLING = "spread"
+#: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
+DEFAULT_TOKENS = 100_000
+#: tokens per calibration window (the paper used documents of 1K–32K tokens)
+DEFAULT_WINDOW_TOKENS = 1024
+#: positions at the start of every window left out of the calibration: the codec's attention sinks
+#: (:data:`kvtc.codec.DEFAULT_SINKS`), which are never compressed and so must not shape the basis
+DEFAULT_CALIBRATION_SINKS = 4
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every choice of a calibration (see the module's constants for each default's reason).
+
+    Fitting (:func:`~kvtc.calibration.fit.fit_calibration`): ``ratios`` (target ratios, one bit plan each; kept
+    sorted), ``grouping`` (which features share a PCA), ``rank_cap``, ``method``, ``power_iters``, ``oversample``
+    (the PCA), ``dp_rows`` (rows the DP measures errors on), ``sizes`` and ``types`` (group sizes and quantization
+    type codes the DP may use), ``kv_split``, ``value_weight``, ``split_errors`` (how K and V share a ratio's bits),
+    ``seed``.
+
+    Collecting (:func:`~kvtc.integrations.hf_calibrate.calibrate_model`): ``tokens`` (calibration rows),
+    ``window`` (tokens per window), ``sinks`` (positions of each window left out), ``sampling``; ``sensitivity``
+    (``"fisher"`` weighs features by the loss's sensitivity, ``"none"`` does not) measured on
+    ``sensitivity_windows`` windows of ``sensitivity_context`` + ``sensitivity_continuation`` tokens with
+    ``sensitivity_labels``, resolved per ``sensitivity_resolution`` and floored at ``sensitivity_floor``.
+    """
+
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    grouping: PCAGrouping = PCAGrouping()
+    rank_cap: int = DEFAULT_RANK_CAP
+    method: str = "auto"
+    power_iters: int = DEFAULT_POWER_ITERS
+    oversample: int = DEFAULT_OVERSAMPLE
+    dp_rows: int = DEFAULT_DP_ROWS
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    types: tuple[int, ...] = DEFAULT_TYPES
+    kv_split: str = "joint"
+    value_weight: float = DEFAULT_VALUE_WEIGHT
+    split_errors: str = "relative"
+    sensitivity: str = "fisher"
+    sensitivity_resolution: str = "feature"
+    sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
+    sensitivity_windows: int = DEFAULT_SENSITIVITY_WINDOWS
+    sensitivity_context: int = SENSITIVITY_CONTEXT
+    sensitivity_continuation: int = SENSITIVITY_CONTINUATION
+    sensitivity_labels: str = "text"
+    sampling: str = "spread"
+    tokens: int = DEFAULT_TOKENS
+    window: int = DEFAULT_WINDOW_TOKENS
+    sinks: int = DEFAULT_CALIBRATION_SINKS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        ratios = _numbers("ratios", self.ratios, "target compression ratios, e.g. ratios=(8, 16)")
+        if not ratios or not all(math.isfinite(r) and r > 0 for r in ratios):
+            _bad("ratios", self.ratios, "give one or more positive target compression ratios, e.g. ratios=(8, 16)")
+        object.__setattr__(self, "ratios", tuple(sorted(set(ratios))))
+        if not isinstance(self.grouping, PCAGrouping):
+            _bad("grouping", self.grouping, "pass a kvtc.layout.PCAGrouping, e.g. PCAGrouping('layers', 1)")
+        for name in ("rank_cap", "dp_rows", "tokens", "window", "sensitivity_windows", "sensitivity_context",
+                     "sensitivity_continuation"):
+            _integer(self, name, 1)
+        for name in ("power_iters", "oversample", "sinks", "seed"):
+            _integer(self, name, 0)
+        sizes = _numbers("sizes", self.sizes, "group sizes, e.g. sizes=(1, 16, 64)")
+        if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+            _bad("sizes", self.sizes, "give positive whole group sizes, e.g. sizes=(1, 16, 64)")
+        object.__setattr__(self, "sizes", tuple(sizes))
+        types = _numbers("types", self.types, "quantization type codes, e.g. kvtc.calibration.dp.PAPER_TYPES")
+        known = [c for c in TYPE_NAMES if c != DROP]
+        if not types or not all(isinstance(t, int) and t in known for t in types):
+            _bad("types", self.types, f"give quantization type codes among {known} (kvtc.quant; dropping is implied)")
+        object.__setattr__(self, "types", tuple(types))
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                _bad(name, getattr(self, name), f"use one of {', '.join(allowed)}")
+        for name in ("value_weight", "sensitivity_floor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                _bad(name, v, "give a positive finite number")
+        if self.split_errors == "weighted" and self.kv_split != "joint":
+            _bad("split_errors", self.split_errors, "weighted errors only choose a joint split: set kv_split='joint'")
+        if self.window <= self.sinks:
+            _bad("window", self.window, f"a calibration window must be longer than the sinks ({self.sinks})")
+
+    @property
+    def name(self) -> str | None:
+        """The name of this recipe among :data:`RECIPES` (whatever its ``tokens``), or None."""
+        for name, recipe in RECIPES.items():
+            if dataclasses.replace(self, tokens=recipe.tokens) == recipe:
+                return name
+        return None
+
+    def replace(self, **changes: Any) -> Recipe:
+        """This recipe with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields (a calibration records its recipe in its statistics)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(ratios=list(self.ratios), sizes=list(self.sizes), types=[TYPE_NAMES[t] for t in self.types],
+                   grouping=self.grouping.to_dict())
+        return out
+
+
+def _bad(name: str, value: Any, fix: str) -> None:
+    raise CalibrationError(f"recipe field {name}={value!r} is not valid: {fix}")
+
+
+def _numbers(name: str, value: Any, what: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        _bad(name, value, f"give a sequence of {what}")
+    out = list(value)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in out):
+        _bad(name, value, f"give a sequence of {what}")
+    return out
+
+
+def _integer(recipe: Recipe, name: str, least: int) -> None:
+    v = getattr(recipe, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        _bad(name, v, f"give a whole number of at least {least}")
+
+
+#: named recipes: the embedded default's cached calibrations are made with these (the file name carries the name)
+#: r8: windows spread across the corpus, Fisher-weighted per feature (each kind normalised apart), every quantization
+#: type with the DP's clips, targets 6-64 with 7.5 and 10 between; r8u: the same without weighting. (r7 took the
+#: corpus's first windows.)
+RECIPES: dict[str, Recipe] = {"r8": Recipe(), "r8u": Recipe(sensitivity="none")}
+DEFAULT_RECIPE = "r8"
+UNWEIGHTED_RECIPE = "r8u"
+
+__all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

@@ -1,0 +1,177 @@
+"""The calibration Recipe, the content hash over what decoding depends on, and loading calibrations by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtc import KVLayout, PCAGrouping
+from kvtc.calibration import Calibration, Plan, Recipe, fit_calibration, load_calibration
+from kvtc.calibration.artifact import FORMAT_VERSION
+from kvtc.calibration.digest import content_hash
+from kvtc.calibration.recipe import CHOICES
+from kvtc.codec import DEFAULT_SINKS
+from kvtc.errors import CalibrationError
+from kvtc.quant import DROP, INT4
+
+FIX = Path(__file__).parent / "fixtures"
+LAYOUT = KVLayout(layers=(0, 3), num_kv_heads=2, head_dim=8, dtype="bfloat16")
+ROPE = {"version": 1, "head_dim": 8, "interleaved": False, "kinds": [], "layer_kinds": []}
+RECIPE = Recipe(ratios=(4, 8), dp_rows=256)
+
+
+def _rows(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    p = LAYOUT.num_features
+    q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
+    x = (torch.randn(512, p, generator=g) * torch.logspace(0.5, -2, p)) @ q.T + 0.5
+    return [(x, x * 0.3)]
+
+
+@pytest.fixture(scope="module")
+def cal() -> Calibration:
+    return fit_calibration(LAYOUT, _rows(), RECIPE, rope=ROPE, model_id="a", corpus={"name": "one"})
+
+
+def _with(cal: Calibration, **changes) -> Calibration:
+    parts = {f.name: getattr(cal, f.name) for f in dataclasses.fields(cal)}
+    parts.update(changes)
+    return Calibration(**parts)
+
+
+def test_the_same_recipe_on_the_same_rows_gives_the_same_hash(cal, tmp_path):
+    again = fit_calibration(LAYOUT, _rows(), RECIPE, rope=ROPE, model_id="b", corpus={"name": "two", "n": 3})
+    again.stats["seconds"]["pca"] = 123.0
+    assert again.hash == cal.hash and again.model_id != cal.model_id and again.corpus != cal.corpus
+    assert _with(cal, library_version="0.0.1", stats={"note": 1}).hash == cal.hash
+    back = Calibration.load(again.save(tmp_path / "again.safetensors"))
+    assert back.hash == cal.hash and not back.legacy
+    assert back.to_bytes() == again.to_bytes()
+    # other rows: another calibration
+    assert fit_calibration(LAYOUT, _rows(seed=5), RECIPE, rope=ROPE).hash != cal.hash
+
+
+def test_the_hash_changes_with_what_decoding_depends_on(cal):
+    pca = cal.pcas["keys"][0]
+    basis = pca.basis.clone()
+    basis[0, 0] += 1e-3
+    changed = {
+        "basis": _with(cal, pcas={**cal.pcas, "keys": [dataclasses.replace(pca, basis=basis)]}),
+        "mean": _with(cal, pcas={**cal.pcas, "keys": [dataclasses.replace(pca, mean=pca.mean + 1e-3)]}),
+        "scale": _with(cal, pcas={**cal.pcas, "keys": [dataclasses.replace(pca, scale=torch.ones_like(pca.mean))]}),
+        "layout": _with(cal, layout=dataclasses.replace(LAYOUT, layers=(1, 3))),
+        "dtype": _with(cal, layout=dataclasses.replace(LAYOUT, dtype="float16")),
+        "rope": _with(cal, rope={**ROPE, "head_dim": 16}),
+        "no rope": _with(cal, rope=None),
+    }
+    plan = cal.plans["8"]["keys"][0]
+    segs = list(plan.segments)
+    segs[-1] = (segs[-1][0], DROP if segs[-1][1] != DROP else INT4, segs[-1][2])
+    other = Plan(tuple(segs), plan.predicted_error, plan.rows, plan.exact)
+    changed["plan"] = _with(cal, plans={**cal.plans, "8": {**cal.plans["8"], "keys": [other]}})
+    clipped = dataclasses.replace(plan, clips=tuple(0.5 if i == 0 else 1.0 for i in range(len(plan.kept_clips()))))
+    changed["clips"] = _with(cal, plans={**cal.plans, "8": {**cal.plans["8"], "keys": [clipped]}})
+    changed["ratio"] = _with(cal, plans={"8": cal.plans["8"]})
+    for what, c in changed.items():
+        assert c.hash != cal.hash, what
+    assert len({c.hash for c in changed.values()}) == len(changed)
+    # what only describes the fit leaves it alone: eigenvalues, the DP's predicted error, explicit clips of 1
+    same = {
+        "eigenvalues": _with(cal, pcas={**cal.pcas, "keys": [dataclasses.replace(pca, eigenvalues=pca.eigenvalues * 2)]}),
+        "predicted error": _with(cal, plans={**cal.plans, "8": {**cal.plans["8"], "keys": [
+            dataclasses.replace(plan, predicted_error=plan.predicted_error + 1, rows=1, exact=not plan.exact)]}}),
+        "clips of 1": _with(cal, plans={**cal.plans, "8": {**cal.plans["8"], "keys": [
+            dataclasses.replace(plan, clips=tuple(plan.kept_clips()))]}}),
+    }
+    for what, c in same.items():
+        assert c.hash == cal.hash, what
+
+
+def test_a_version_4_file_refuses_any_changed_byte(cal, tmp_path):
+    data = cal.to_bytes()
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
+    assert meta["version"] == FORMAT_VERSION == 4 and meta["hash"] == cal.hash and len(meta["checksum"]) == 64
+    # the eigenvalues are no part of the hash, but the checksum covers them
+    start, _ = json.loads(data[8 : 8 + n])["keys.0.eigenvalues"]["data_offsets"]
+    bad = bytearray(data)
+    bad[8 + n + start] ^= 0x01
+    with pytest.raises(CalibrationError, match="checksum"):
+        Calibration.from_bytes(bytes(bad))
+    # an edited statistic in the JSON is refused too
+    edited = data.replace(b'dp_rows\\": 256', b'dp_rows\\": 257')  # JSON within the JSON header: escaped quotes
+    assert edited != data and len(edited) == len(data)
+    with pytest.raises(CalibrationError, match="checksum"):
+        Calibration.from_bytes(edited)
+
+
+def test_older_files_keep_their_hash_and_version():
+    old = Calibration.load(FIX / "calibration.safetensors")
+    assert old.legacy
+    data = (FIX / "calibration.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
+    assert meta["version"] < 4 and old.hash == meta["hash"] == content_hash(old._meta(), old._tensors())
+    again = Calibration.from_bytes(old.to_bytes())
+    assert again.legacy and again.hash == old.hash
+    # the same content made now is named by the version-4 hash
+    assert _with(old, legacy=False).hash != old.hash
+
+
+def test_recipe_validation_names_the_field_the_value_and_the_fix():
+    bad = {"ratios": (8, -1), "dp_rows": 0, "tokens": 2.5, "kv_split": "halves", "sensitivity": "adam",
+           "sampling": "last", "types": (99,), "sizes": (0,), "value_weight": float("nan"), "method": "svd",
+           "sensitivity_floor": 0, "grouping": "global", "seed": -1, "window": 4}
+    for field, value in bad.items():
+        with pytest.raises(CalibrationError, match=f"recipe field {field}=") as e:
+            Recipe(**{field: value})
+        assert repr(value) in str(e.value) or field == "window", field
+    with pytest.raises(CalibrationError, match="kv_split='joint'"):
+        Recipe(kv_split="equal", split_errors="weighted")
+    with pytest.raises(CalibrationError, match="Recipe"):
+        fit_calibration(LAYOUT, _rows(), {"ratios": (8,)})
+
+
+def test_recipes_are_values_and_the_default_ones_have_names():
+    assert Recipe() == Recipe(ratios=[64, 6.0, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 8]) and hash(Recipe()) == hash(Recipe())
+    assert Recipe().ratios == tuple(sorted(Recipe().ratios))
+    assert Recipe().name == "r8" and Recipe(tokens=4096).name == "r8"
+    assert Recipe(sensitivity="none").name == "r8u"
+    assert Recipe(dp_rows=512).name is None and Recipe(grouping=PCAGrouping("layers", 1)).name is None
+    assert Recipe().sinks == DEFAULT_SINKS
+    assert all(getattr(Recipe(), field) == allowed[0] for field, allowed in CHOICES.items())
+    assert json.loads(json.dumps(Recipe().to_dict()))["types"][0] == "int2"
+    with pytest.raises(CalibrationError, match="named recipe"):
+        from kvtc.integrations.hf_calibrate import default_calibration_path
+
+        default_calibration_path(Recipe(dp_rows=512))
+
+
+def test_the_cli_builds_its_recipe_from_the_options():
+    from kvtc.cli import build_parser, recipe_from_args
+
+    def recipe(*argv):
+        return recipe_from_args(build_parser().parse_args(["calibrate", *argv]))
+
+    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r8"
+    assert recipe("--sensitivity", "none").name == "r8u"
+    assert recipe("--ratios", "8", "16").ratios == (8.0, 16.0) and recipe("--ratios", "8").name is None
+    assert recipe("--types", "paper").name is None and recipe("--value-weight", "1").value_weight == 1.0
+    with pytest.raises(CalibrationError, match="tokens"):
+        recipe("--tokens", "-3")
+
+
+def test_load_calibration_resolves_objects_files_and_the_default_name(cal, tmp_path):
+    assert load_calibration(cal) is cal
+    path = cal.save(tmp_path / "c.safetensors")
+    assert load_calibration(path).hash == cal.hash and load_calibration(str(path)).hash == cal.hash
+    with pytest.raises(CalibrationError, match="embedded SmolLM2"):
+        load_calibration("default", model="Qwen/Qwen3-0.6B")
+    with pytest.raises(CalibrationError, match="does not exist"):
+        load_calibration(tmp_path / "missing.safetensors")
+    with pytest.raises(CalibrationError):
+        load_calibration(42)
