@@ -50,7 +50,7 @@ def build_seeds() -> dict[str, bytes]:
     import torch
 
     from kvtc import KVLayout
-    from kvtc.calibration import fit_calibration
+    from kvtc.calibration import Recipe, fit_calibration
 
     seeds = {"fixture": FIXTURE.read_bytes()}
     layout = KVLayout(layers=(0, 3), num_kv_heads=2, head_dim=8, dtype="bfloat16")
@@ -63,7 +63,7 @@ def build_seeds() -> dict[str, bytes]:
         return (torch.randn(n, p, generator=g) * sd) @ q.T + 0.5
 
     scales = {"keys": torch.rand(p, generator=g) + 0.5, "values": torch.rand(p, generator=g) + 0.5}
-    cal = fit_calibration(layout, [(rows(384), rows(384) * 0.3)], ratios=(4, 8, 16), dp_rows=192,
+    cal = fit_calibration(layout, [(rows(384), rows(384) * 0.3)], Recipe(ratios=(4, 8, 16), dp_rows=192),
                           model_id="fuzz-scaled", corpus={"name": "synthetic"}, feature_scale=scales)
     # timings would make the seed (and so every mutation) differ per run
     cal = dataclasses.replace(cal, stats={"seconds": {"total": 0.0}})

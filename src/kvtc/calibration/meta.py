@@ -31,7 +31,7 @@ MAX_SEGMENTS = 1 << 20
 #: default calibration of a 30-layer model holds a few thousand, a per-layer one of a 126-layer model ~0.7 M
 MAX_VALUES = 1 << 20
 
-_TOP = {"format", "version", "library_version", "layout", "grouping", "rope", "model_id", "corpus", "stats",
+_TOP = {"format", "version", "library_version", "layout", "grouping", "rope", "model_id", "corpus", "stats", "checksum",
         "pca", "plans", "hash"}
 _KINDS = ("keys", "values")
 
@@ -70,8 +70,9 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
     for name in ("library_version", "model_id"):
         if name in meta:
             _text(meta[name], f"{where} '{name}'")
-    if "hash" in meta and not (isinstance(meta["hash"], str) and len(meta["hash"]) == 64):
-        raise CalibrationError(f"{where} 'hash' must be a 64-digit hex string; the file is corrupt")
+    for name in ("hash", "checksum"):
+        if name in meta and not (isinstance(meta[name], str) and len(meta[name]) == 64):
+            raise CalibrationError(f"{where} '{name}' must be a 64-digit hex string; the file is corrupt")
     for name in ("corpus", "stats"):
         if not isinstance(meta.get(name, {}), dict):
             raise CalibrationError(f"{where} '{name}' must be an object; the file is corrupt")
