@@ -300,6 +300,8 @@ def run_one(argv: list[str], sb: Sandbox, watched: list[Path]) -> tuple[str, flo
     if violation is None:
         if "Traceback (most recent call last)" in stderr:
             violation = ("traceback", stderr)
+        elif "kvtc: internal error:" in stderr:  # the CLI's last-resort line for an untyped exception
+            violation = ("untyped_exception", stderr)
         elif code != 2:
             violation = ("exit_code", f"exit code {code}; stderr {stderr[-500:]!r}; stdout {out.getvalue()[-300:]!r}")
         elif len(lines) != 1:

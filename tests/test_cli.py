@@ -52,7 +52,7 @@ def test_module_entry_point_reports_errors_in_one_line(tmp_path):
 def test_calibrate_refuses_to_replace_a_file_without_force(capsys, tmp_path):
     existing = tmp_path / "cal.safetensors"
     existing.write_bytes(b"a good file")
-    code, _, err = run_cli(capsys, "calibrate", "--corpus", "sotu-pre2000", "--tokens", "512", "--out", existing)
+    code, _, err = run_cli(capsys, "calibrate", "--corpus", "sotu-pre2000", "--tokens", "2048", "--out", existing)
     assert_one_line_error(code, err, "--force")
     assert existing.read_bytes() == b"a good file"
 

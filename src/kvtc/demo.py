@@ -20,12 +20,13 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import KVTCError
 from .progress import StageTimer, bar
+
+if TYPE_CHECKING:
+    import torch
 
 #: the table's ratios, the paper's headline range
 DEFAULT_RATIOS = (8.0, 16.0, 32.0)
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if missing:
         raise CalibrationError(f"the calibration has plans for ratios {cal.ratios}, not {missing}; "
                                "pick --ratios among those")
+    import torch
+
     with torch.inference_mode():
         return _run(args, cal, timer)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -50,3 +51,60 @@ def _fsync_dir(directory: Path) -> None:
         pass  # some filesystems refuse fsync on directories; the rename itself is already atomic
     finally:
         os.close(fd)
+
+
+def read_regular(path: str | os.PathLike[str], what: str, limit: int | None = None) -> bytes:
+    """The bytes of ``path``, opened only if it is a regular file (never blocking on a FIFO, never reading a
+    device), and only if it holds at most ``limit`` bytes: anything else is a :class:`~kvtc.errors.KVTCError`
+    naming ``what`` the file should be."""
+    from .errors import KVTCError
+
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise KVTCError(f"cannot read {what} {path}: {e.strerror or e}; check the path") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KVTCError(f"{path} is not a regular file; give the path of {what}")
+        if limit is not None and st.st_size > limit:
+            raise KVTCError(f"{path} holds {st.st_size} bytes, more than {what} can ({limit}); check the path")
+        try:
+            return f.read()
+        except OSError as e:
+            raise KVTCError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def read_blob(path: str | os.PathLike[str]) -> bytes:
+    """A ``.kvtc`` file's bytes: opened only if it is a regular file; its prefix and header are read and
+    validated first, and the rest only if the header accounts for exactly the file's size."""
+    from .codec import container
+    from .errors import FormatError, KVTCError
+
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror or e}; check the path") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path} is not a regular file; give the path of a .kvtc file")
+        try:
+            head = f.read(container.PREFIX.size)
+            if len(head) == container.PREFIX.size:
+                hlen = container.PREFIX.unpack(head)[3]
+                if hlen <= container.MAX_HEADER_BYTES:
+                    head += f.read(hlen)
+            try:
+                header, body = container.read_header(head, partial=True)
+            except FormatError as e:
+                raise FormatError(f"{path}: {e}") from None
+            if body + sum(s.coded for s in header.sections) != size:
+                raise FormatError(f"{path}: the file holds {size} bytes, its header accounts for "
+                                  f"{body + sum(s.coded for s in header.sections)} (truncated or extended)")
+            return head + f.read()
+        except OSError as e:
+            raise KVTCError(f"cannot read {path}: {e.strerror or e}") from None

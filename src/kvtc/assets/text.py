@@ -211,7 +211,10 @@ def corpus(name_or_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[st
             raise AssetMissing(
                 f"corpus {str(p)!r} is neither a builtin corpus {BUILTIN_CORPORA} nor a readable text file"
             )
-        texts.append(p.read_text(encoding="utf-8"))
+        try:
+            texts.append(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise KVTCError(f"corpus file {p} is not UTF-8 text; give text files") from None
     if not texts:
         raise KVTCError("corpus(): no documents given; name a builtin corpus or at least one text file")
     return texts

@@ -119,8 +119,8 @@ class Recipe:
 
     def __post_init__(self) -> None:
         ratios = _numbers("ratios", self.ratios, "target compression ratios, e.g. ratios=(8, 16)")
-        if not ratios or not all(math.isfinite(r) and r > 0 for r in ratios):
-            _bad("ratios", self.ratios, "give one or more positive target compression ratios, e.g. ratios=(8, 16)")
+        if not ratios or not all(math.isfinite(r) and r > 1 for r in ratios):
+            _bad("ratios", self.ratios, "give one or more target compression ratios above 1, e.g. ratios=(8, 16)")
         object.__setattr__(self, "ratios", tuple(sorted(set(ratios))))
         if not isinstance(self.grouping, PCAGrouping):
             _bad("grouping", self.grouping, "pass a kvtc.layout.PCAGrouping, e.g. PCAGrouping('layers', 1)")
@@ -145,10 +145,14 @@ class Recipe:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 _bad(name, v, "give a positive finite number")
+        if not 1e-3 <= self.value_weight <= 1e3:
+            _bad("value_weight", self.value_weight, "give a weight of values against keys between 0.001 and 1000")
         if self.split_errors == "weighted" and self.kv_split != "joint":
             _bad("split_errors", self.split_errors, "weighted errors only choose a joint split: set kv_split='joint'")
         if self.window <= self.sinks:
             _bad("window", self.window, f"a calibration window must be longer than the sinks ({self.sinks})")
+        if self.tokens < self.window:
+            _bad("tokens", self.tokens, f"calibrate on at least one window ({self.window} tokens)")
 
     @property
     def name(self) -> str | None:

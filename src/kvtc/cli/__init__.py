@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import KVTCError
 from .calibrate import add_calibrate, parse_types, recipe_from_args
+from .common import Parser
 from .compress import add_compress
 from .generate import add_generate
 from .inspect_blob import add_inspect
@@ -57,7 +58,7 @@ PLUGINS: tuple[str, ...] = ("kvtc.eval.cli", "kvtc.bench.cli")
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="kvtc", description="KV cache transform coding (KVTC) for LLM KV caches.")
+    parser = Parser(prog="kvtc", description="KV cache transform coding (KVTC) for LLM KV caches.")
     parser.add_argument("--version", action="version", version=f"kvtc {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -91,6 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtc: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        if debug:
+            raise
+        print("kvtc: error: out of memory; give a smaller input", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:  # a bug: still one line, and the way to the traceback
+        if debug:
+            raise
+        message = " ".join(str(e).split())[:300]
+        print(f"kvtc: internal error: {type(e).__name__}: {message} (rerun with --debug for the traceback and "
+              "report it)", file=sys.stderr)
+        return EXIT_ERROR
 
 
 __all__ = ["COMMANDS", "EXIT_ERROR", "PLUGINS", "build_parser", "main", "parse_types", "recipe_from_args"]

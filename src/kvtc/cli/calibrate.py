@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KVTCError
-from .common import DEFAULT_MODEL
+from .common import DEFAULT_MODEL, check_out, positive_float, positive_int, ratio_value
 
 DEFAULT_CORPUS = "sotu-pre2000"
 
@@ -22,11 +22,11 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument("--corpus", nargs="+", default=[DEFAULT_CORPUS],
                    help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia")
     p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
-    p.add_argument("--ratios", type=float, nargs="+", help="target ratios to plan (default 6 7 7.5 8 10 12 16 24 32 48 64)")
+    p.add_argument("--ratios", type=ratio_value, nargs="+", help="target ratios to plan (default 6 7 7.5 8 10 12 16 24 32 48 64)")
     p.add_argument("--kv-split", choices=("joint", "equal"), default="joint",
                    help="joint: keys and values share one bit budget, split where the weighted relative error "
                         "is least (default); equal: the same budget for each")
-    p.add_argument("--value-weight", type=float, default=None,
+    p.add_argument("--value-weight", type=positive_float, default=None,
                    help="weight of the values' relative error in the joint split (default 2)")
     p.add_argument("--sensitivity", choices=("fisher", "none"), default="fisher",
                    help="fisher: weigh each cached feature by the loss's measured sensitivity before the PCA "
@@ -38,7 +38,7 @@ def add_calibrate(sub: Any) -> None:
                    help="quantization types the DP may use: all (default: the paper's int2, int4, fp8 plus our int3 "
                         "and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), or a comma-separated "
                         "list of type names")
-    p.add_argument("--window", type=int, help="tokens per calibration window (default 1,024)")
+    p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument("--out", type=Path,
                    help="calibration file to write (default model, corpus and recipe: the cached default calibration)")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
@@ -54,6 +54,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from ..quant import DROP, TYPE_NAMES
 
     recipe = recipe_from_args(args)
+    check_out(args.out, "calibration file")
     t0 = time.perf_counter()
     default_data = is_default_model(args.model) and args.corpus == [DEFAULT_CORPUS] and args.out is None
     if default_data and recipe.name is not None:

@@ -3,10 +3,72 @@
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import KVTCError
+
+#: the most text a --file may hold
+MAX_TEXT_BYTES = 256 << 20
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (``kvtc: error: ...``, exit 2), like every other kvtc error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"kvtc: error: {' '.join(message.split())} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+#: the most tokens a command line may ask for (a million: beyond any model's context)
+MAX_TOKENS = 1 << 20
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number from 1 to :data:`MAX_TOKENS`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
+    if not 1 <= value <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text[:40]} must be from 1 to {MAX_TOKENS}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return value
+
+
+def ratio_value(text: str) -> float:
+    """An argparse type: a compression ratio, a finite number above 1."""
+    value = positive_float(text)
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a compression ratio: give a number above 1 (e.g. 16)")
+    return value
+
+
+def check_out(path: Path | None, what: str) -> None:
+    """Refuse an output path whose directory does not exist (nothing is created that was not asked for) or that
+    names a directory, before any work is done."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise KVTCError(f"{path} is a directory; give the path of the {what} to write")
+    if path.exists() and not path.is_file():
+        raise KVTCError(f"{path} exists and is not a regular file; give another path for the {what}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KVTCError(f"the directory {parent} does not exist; create it first (kvtc does not create directories "
+                        f"for the {what})")
 
 DEFAULT_MODEL = "default"
 #: what :func:`kvtc.calibration.load_calibration` resolves to the embedded model's calibration
@@ -33,12 +95,20 @@ def load_model(name: str) -> tuple[Any, Any]:
 
 
 def read_text(args: argparse.Namespace) -> str:
+    """The --prompt text or the --file's (a regular UTF-8 file); refuses an empty text."""
+    from ..fileio import read_regular
+
     if args.prompt is not None:
-        return args.prompt
-    try:
-        return Path(args.file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise KVTCError(f"cannot read {args.file}: {getattr(e, 'strerror', None) or e}") from None
+        text, where = args.prompt, "--prompt"
+    else:
+        try:
+            text = read_regular(args.file, "a UTF-8 text file", MAX_TEXT_BYTES).decode("utf-8")
+        except UnicodeDecodeError:
+            raise KVTCError(f"{args.file} is not UTF-8 text; give a UTF-8 text file") from None
+        where = str(args.file)
+    if not text.strip():
+        raise KVTCError(f"{where} holds no text; give the text to work on")
+    return text
 
 
 def encode_text(tok: Any, text: str, chat: bool) -> Any:

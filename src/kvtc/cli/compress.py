@@ -10,10 +10,24 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KVTCError
-from .common import add_model_args, add_text_args, encode_text, load_model, ratio_line, read_text, size
+from .common import (
+    add_model_args,
+    add_text_args,
+    MAX_TOKENS,
+    check_out,
+    encode_text,
+    load_model,
+    positive_int,
+    ratio_line,
+    ratio_value,
+    read_text,
+    size,
+)
 
 #: suffix of the file ``kvtc compress`` writes beside a blob: the token ids the cache stands for
 TOKENS_SUFFIX = ".tokens.json"
+#: the largest token record read beside a blob
+MAX_TOKENS_BYTES = 256 << 20
 TOKENS_FORMAT = "kvtc-tokens"
 
 
@@ -22,9 +36,9 @@ def add_compress(sub: Any) -> None:
                        description="Prefill the text with the model and write its KV cache as a kvtc blob.")
     add_text_args(p, required=True)
     add_model_args(p)
-    p.add_argument("--ratio", type=float, default=16, help="target compression ratio (default %(default)s)")
+    p.add_argument("--ratio", type=ratio_value, default=16, help="target compression ratio (default %(default)s)")
     p.add_argument("--identity", action="store_true", help="store the KV uncompressed (no calibration needed)")
-    p.add_argument("--max-tokens", type=int, help="keep only the first N tokens of the text")
+    p.add_argument("--max-tokens", type=positive_int, help="keep only the first N tokens of the text")
     p.add_argument("--out", type=Path, required=True, help="the .kvtc file to write")
     p.set_defaults(run=run_compress)
 
@@ -37,14 +51,17 @@ def run_compress(args: argparse.Namespace) -> int:
     from ..fileio import write_atomic
     from ..integrations.hf import compress_cache, save_blob
 
+    # everything the user gave is checked before the model is loaded
+    check_out(args.out, ".kvtc file")
+    text = read_text(args)
+    cal = None if args.identity else load_calibration(args.calibration, model=args.model)
+    codec = Codec.identity() if cal is None else Codec(cal, args.ratio)
     model, tok = load_model(args.model)
-    ids = encode_text(tok, read_text(args), args.chat)
+    ids = encode_text(tok, text, args.chat)
     if args.max_tokens:
         ids = ids[:, : args.max_tokens]
     if ids.shape[1] < 2:
         raise KVTCError("the text holds fewer than 2 tokens; give a longer prompt")
-    cal = None if args.identity else load_calibration(args.calibration, model=args.model)
-    codec = Codec.identity() if cal is None else Codec(cal, args.ratio)
     t0 = time.perf_counter()
     with torch.inference_mode():
         cache = model(ids, use_cache=True).past_key_values
@@ -72,16 +89,28 @@ def _tokens_record(blob: bytes, ids: Any, chat: bool) -> bytes:
 
 
 def read_tokens(blob_path: Path, blob: bytes) -> list[list[int]] | None:
+    """The token record `kvtc compress` wrote beside ``blob_path`` (None when there is none): checked to be
+    a record of this blob holding a non-empty batch of equal-length rows of token ids."""
+    from ..fileio import read_regular
+
     path = _tokens_path(blob_path)
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        rec = json.loads(path.read_text())
-        ok = rec.get("format") == TOKENS_FORMAT and isinstance(rec.get("token_ids"), list)
-    except (OSError, ValueError, AttributeError):
-        ok = False
+        rec = json.loads(read_regular(path, "a kvtc token record", MAX_TOKENS_BYTES))
+        ok = rec.get("format") == TOKENS_FORMAT
+        ids = rec.get("token_ids")
+    except (ValueError, AttributeError, RecursionError):
+        ok, ids = False, None
     if not ok:
         raise KVTCError(f"{path} is not a kvtc token record; delete it and pass the text with --prompt/--file")
     if rec.get("blob_sha256") != hashlib.sha256(blob).hexdigest():
         raise KVTCError(f"{path} belongs to another version of {blob_path}; pass the text with --prompt/--file")
-    return rec["token_ids"]
+    if not (isinstance(ids, list) and ids and all(isinstance(row, list) and row for row in ids)
+            and len({len(row) for row in ids}) == 1
+            and len(ids) * len(ids[0]) <= MAX_TOKENS
+            and all(type(t) is int and 0 <= t < 1 << 31 for row in ids for t in row)):
+        raise KVTCError(f"{path}: token_ids must be a batch of equal-length, non-empty rows of at most {MAX_TOKENS} token "
+                        "ids in all; delete it "
+                        "and pass the text with --prompt/--file")
+    return ids

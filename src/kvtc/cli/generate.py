@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KVTCError
-from .common import add_model_args, add_text_args, encode_text, load_model, read_text
+from .common import add_model_args, add_text_args, encode_text, load_model, positive_int, read_text
 from .compress import read_tokens
 
 
@@ -23,7 +23,7 @@ def add_generate(sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--resume", type=Path, help="a .kvtc file written by `kvtc compress`")
     p.add_argument("--append", default="", help="text to add after the context (e.g. the next turn)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--compare", action="store_true", help="also generate from a full prefill and compare")
     p.set_defaults(run=run_generate)
 
@@ -43,6 +43,13 @@ def run_generate(args: argparse.Namespace) -> int:
         cal = None if info["mode"] == "identity" else load_calibration(args.calibration, model=args.model)
     elif args.prompt is None and args.file is None:
         raise KVTCError("give --prompt/--file, or --resume FILE")
+    text = read_text(args) if args.prompt is not None or args.file is not None else None
+    if recorded is not None and text is None and len(recorded[0]) < info["tokens"]:
+        raise KVTCError(f"the token record beside {args.resume} holds {len(recorded[0])} tokens, fewer than the "
+                        f"{info['tokens']} the cache holds; pass the text with --prompt/--file")
+    if recorded is not None and text is None and len(recorded) != info["batch"]:
+        raise KVTCError(f"the token record beside {args.resume} holds {len(recorded)} rows for a batch of "
+                        f"{info['batch']}; pass the text with --prompt/--file")
     model, tok = load_model(args.model)
     cache = None
     t_restore = 0.0
@@ -50,10 +57,13 @@ def run_generate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         cache = restore_cache(blob, model, cal)
         t_restore = time.perf_counter() - t0
-        if args.prompt is not None or args.file is not None:
-            ids = encode_text(tok, read_text(args), args.chat)
+        if text is not None:
+            ids = encode_text(tok, text, args.chat)
         elif recorded is not None:
             ids = torch.tensor(recorded, dtype=torch.int64)
+            if int(ids.max()) >= len(tok):
+                raise KVTCError(f"the token record beside {args.resume} holds ids beyond the vocabulary of "
+                                f"{len(tok)}; it was made with another model")
         else:
             raise KVTCError(f"{args.resume} has no token record beside it; pass the text it was made from with --prompt/--file")
         held = cache.get_seq_length()
@@ -61,7 +71,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise KVTCError(f"the cache holds {info['batch']} x {held} tokens but the context is "
                             f"{ids.shape[0]} x {ids.shape[1]}; pass the text the cache was made from")
     else:
-        ids = encode_text(tok, read_text(args), args.chat)
+        ids = encode_text(tok, text, args.chat)
     if args.append:
         extra = tok(args.append, add_special_tokens=False, return_tensors="pt")["input_ids"]
         ids = torch.cat([ids, extra.expand(ids.shape[0], -1)], dim=1)

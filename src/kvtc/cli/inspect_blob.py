@@ -20,11 +20,9 @@ def add_inspect(sub: Any) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     from ..codec import Codec
     from ..errors import FormatError
+    from ..fileio import read_blob
 
-    try:
-        blob = args.file.read_bytes()
-    except OSError as e:
-        raise FormatError(f"cannot read {args.file}: {e.strerror or e}; check the path") from None
+    blob = read_blob(args.file)
     try:
         info = Codec.inspect(blob)
     except FormatError as e:

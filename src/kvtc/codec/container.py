@@ -182,8 +182,9 @@ def write_into(out: Any, parts: list[Any]) -> Any:
     return out[:total] if tensor else memoryview(out).cast("B")[:total]
 
 
-def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
-    """Parse and validate the prefix and header; returns the header and the body offset."""
+def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> tuple[Header, int]:
+    """Parse and validate the prefix and header; returns the header and the body offset. ``partial``: ``blob``
+    holds the prefix and header only (the caller checks the sections' total size against what follows)."""
     blob = memoryview(blob)
     if len(blob) < PREFIX.size:
         raise FormatError(f"blob is {len(blob)} bytes, shorter than the {PREFIX.size}-byte kvtc prefix (truncated?)")
@@ -208,7 +209,7 @@ def read_header(blob: bytes | bytearray | memoryview) -> tuple[Header, int]:
     header = _parse_header(d)
     body = PREFIX.size + hlen
     total = sum(s.coded for s in header.sections)
-    if body + total != len(blob):
+    if not partial and body + total != len(blob):
         what = "truncated" if body + total > len(blob) else "has trailing bytes"
         raise FormatError(f"blob {what}: sections need {total} bytes after the header, found {len(blob) - body}")
     return header, body

@@ -6,9 +6,22 @@
 * :mod:`~kvtc.eval.suite`: one run (:class:`EvalConfig`, :func:`run`); :mod:`~kvtc.eval.report`: JSON, table, plot.
 """
 
-from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer
-from .protocols import conversation, passkey_prompts, retrieval, storage_roundtrip
-from .suite import EvalConfig, run
+from typing import Any
+
+from .config import EvalConfig
+
+#: imported on first use (they need torch and transformers)
+_LAZY = {**dict.fromkeys(("FP8", "KIVI", "KVTC", "Eviction", "Method", "Peer"), "methods"),
+         **dict.fromkeys(("conversation", "passkey_prompts", "retrieval", "storage_roundtrip"), "protocols"),
+         "run": "suite"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["EvalConfig", "Eviction", "FP8", "KIVI", "KVTC", "Method", "Peer", "conversation", "passkey_prompts",
            "retrieval", "run", "storage_roundtrip"]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .suite import (
+from .config import (
     DEFAULT_ABLATION_TOKENS,
     DEFAULT_CONTEXT,
     DEFAULT_CONTINUATION,

@@ -38,7 +38,7 @@ from ...calibration.artifact import Calibration, ratio_key
 from ...calibration.load import load_calibration
 from ...codec import Codec, container
 from ...errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError
-from ...fileio import write_atomic
+from ...fileio import read_blob, write_atomic
 from ...layout import DTYPES, KVLayout
 from .adapter import adapter_for
 
@@ -150,17 +150,9 @@ def save_blob(path: str | os.PathLike[str], blob: bytes) -> Path:
 
 
 def load_blob(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a ``.kvtc`` file, with its container header validated (sections are checked on decode)."""
-    path = Path(path)
-    try:
-        blob = path.read_bytes()
-    except OSError as e:
-        raise FormatError(f"cannot read {path}: {e.strerror or e}; check the path") from None
-    try:
-        container.read_header(blob)
-    except FormatError as e:
-        raise FormatError(f"{path}: {e}") from None
-    return blob
+    """The bytes of a ``.kvtc`` file, with its container header validated (sections are checked on decode).
+    Only a regular file is opened (never a FIFO or a device), and its header is read and checked before the rest."""
+    return read_blob(path)
 
 
 # ---------------------------------------------------------------------- helpers

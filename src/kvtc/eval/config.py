@@ -1,0 +1,67 @@
+"""What one ``kvtc eval`` run measures (:class:`EvalConfig`) and its defaults: plain values, importable without
+torch, so that ``kvtc --help`` stays fast."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: evaluation text: disjoint from the calibration corpus (pre-2000 speeches)
+DEFAULT_TEXTS = "wikipedia"
+DEFAULT_CONTEXT = 2048
+DEFAULT_CONTINUATION = 256
+DEFAULT_WINDOWS = 8
+#: tokens of calibration rows collected for the ablation calibrations (per-layer PCA, greedy allocator, the
+#: paper's quantization types)
+DEFAULT_ABLATION_TOKENS = 16_320
+DEFAULT_RETRIEVAL_LENGTHS = (1024, 2048, 4096)
+DEFAULT_RETRIEVAL_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_RETRIEVAL_PROMPTS = 50
+DEFAULT_CONVERSATION_TOKENS = 1024
+PEER_BACKENDS = ("quanto", "hqq")
+#: the classic pass-key haystack (repeated filler); "text" hides the needle in the evaluation text
+DEFAULT_HAYSTACK = "filler"
+
+
+@dataclass
+class EvalConfig:
+    """What one run measures. ``quick``: one window, kvtc 16x and KIVI 2-bit, storage round trip only."""
+
+    model: str = "default"
+    calibration: str | None = None  # path; default: the embedded default's calibration
+    texts: Sequence[str] = (DEFAULT_TEXTS,)
+    windows: int = DEFAULT_WINDOWS
+    context: int = DEFAULT_CONTEXT
+    continuation: int = DEFAULT_CONTINUATION
+    sinks: int = 4
+    window: int = 128
+    ratios: Sequence[float] | None = None  # kvtc targets; default: every ratio of the calibration
+    baselines: bool = True
+    peers: Sequence[str] = PEER_BACKENDS
+    eviction_ratios: Sequence[float] = (8, 16, 32)
+    ablations: bool = True
+    ablation_tokens: int = DEFAULT_ABLATION_TOKENS
+    ablation_ratios: Sequence[float] = (8, 16, 32)
+    conversation: bool = True
+    conversation_tokens: int = DEFAULT_CONVERSATION_TOKENS
+    conversation_ratios: Sequence[float] = (16, 32)
+    retrieval: bool = True
+    retrieval_prompts: int = DEFAULT_RETRIEVAL_PROMPTS
+    retrieval_lengths: Sequence[int] = DEFAULT_RETRIEVAL_LENGTHS
+    retrieval_depths: Sequence[float] = DEFAULT_RETRIEVAL_DEPTHS
+    retrieval_ratios: Sequence[float] = (16, 32)
+    retrieval_haystack: str = DEFAULT_HAYSTACK
+    device: str = "cpu"
+    seed: int = 0
+    progress: bool = True
+    quick: bool = False
+
+    @classmethod
+    def quick_config(cls, **kw: Any) -> EvalConfig:
+        base = dict(windows=1, ratios=(16,), baselines=True, peers=(), eviction_ratios=(), ablations=False,
+                    conversation=False, retrieval=False, quick=True)
+        base.update(kw)
+        return cls(**base)
+
+
