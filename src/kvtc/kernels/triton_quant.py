@@ -26,6 +26,8 @@ import triton.language as tl
 from ..quant import FP8, FP8_MAX, FP8_TYPES, INT2, INT4, SYMMETRIC, TYPE_BITS
 
 _HALF_MAX = 65504.0
+#: the kernels' view of kvtc.quant.FP8_MAX (a Triton kernel reads only constexpr globals)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 BLOCK_T = 64
 #: components a program holds at once (groups are cut in chunks of this many, or packed this many a program)
 TILE_C = 64
@@ -90,14 +92,14 @@ def _quantize_pack_kernel(
         if HAS_CLIP:
             amp = amp * tl.load(clip_ptr + gi, mask=gmask, other=1.0)[None, :]
         if IS_FP8:
-            scale = _half_up(_div_rn(amp, 448.0))
+            scale = _half_up(_div_rn(amp, _FP8_MAX))
         else:
             scale = _half_up(_div_rn(amp * 2.0, LEVELS * 1.0))
     elif IS_FP8:
         shift = (tl.minimum(tl.maximum((hi + lo) * 0.5, -65504.0), 65504.0)).to(tl.float16)
         sh = shift.to(tl.float32)
         amp = tl.maximum(tl.maximum(hi - sh, sh - lo), 0.0)
-        scale = _half_up(_div_rn(amp, 448.0))
+        scale = _half_up(_div_rn(amp, _FP8_MAX))
     else:
         shift = (tl.minimum(tl.maximum(lo, -65504.0), 65504.0)).to(tl.float16)
         sh = shift.to(tl.float32)
@@ -122,7 +124,7 @@ def _quantize_pack_kernel(
             y = y + LEVELS * 0.5
         y = tl.where(pos[:, :, None], y, 0.0)
         if IS_FP8:
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
             sym = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
             sym = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS * 1.0).to(tl.int32)
@@ -252,4 +254,4 @@ def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor,
     )
 
 
-__all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8", "FP8_MAX"]
+__all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8"]
