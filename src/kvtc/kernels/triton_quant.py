@@ -213,45 +213,38 @@ def _per(qtype: int, packing: str) -> int:
     return 1 if packing == "bytes" or bits == 8 else 8 // bits
 
 
+def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int, size: int,
+         params: torch.Tensor, plane: torch.Tensor, packing: str, extra: tuple, **consts) -> None:
+    """Launch ``kernel`` over a bucket's groups and the rows of ``t`` ``[n, k]`` (the coefficients)."""
+    n = t.shape[0]
+    ngroups = col0.numel()
+    if n == 0 or ngroups == 0:
+        return
+    assert t.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
+    gpb, ch = _shape(size)
+    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
+    kernel[grid](
+        t, t.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1], *extra,
+        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing),
+        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, **consts,
+    )
+
+
 def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
                   qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
                   clips: torch.Tensor | None = None) -> None:
     """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
     (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). ``clips``: float32 per
     group (scale-only int types). In place."""
-    n = coeffs.shape[0]
-    ngroups = col0.numel()
-    if n == 0 or ngroups == 0:
-        return
-    assert coeffs.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
-    gpb, ch = _shape(size)
-    per = _per(qtype, packing)
-    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
-    _quantize_pack_kernel[grid](
-        coeffs, coeffs.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
-        clips if clips is not None else col0,
-        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, HAS_CLIP=clips is not None,
-        LEVELS=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
-        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4,
-    )
+    _run(_quantize_pack_kernel, coeffs, col0, row0, prow, qtype, size, params, plane, packing,
+         (clips if clips is not None else col0,), HAS_CLIP=clips is not None, LEVELS=(1 << TYPE_BITS[qtype]) - 1)
 
 
 def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
                       qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
     """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``."""
-    n = out.shape[0]
-    ngroups = col0.numel()
-    if n == 0 or ngroups == 0:
-        return
-    assert out.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
-    gpb, ch = _shape(size)
-    per = _per(qtype, packing)
-    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
-    _unpack_dequantize_kernel[grid](
-        out, out.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
-        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, MASK=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
-        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, enable_fp_fusion=False,
-    )
+    _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing, (),
+         MASK=(1 << TYPE_BITS[qtype]) - 1, enable_fp_fusion=False)
 
 
 __all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8"]
