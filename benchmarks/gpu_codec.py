@@ -36,7 +36,7 @@ from kvtc import __version__  # noqa: E402
 from kvtc.calibration import Recipe, fit_calibration  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
 from kvtc.codec import nvcomp as gpu_entropy  # noqa: E402
-from kvtc.codec.codec import _device_coder  # noqa: E402
+from kvtc.codec.entropy import device_coder as _device_coder  # noqa: E402
 
 
 def gpu_backend() -> str:

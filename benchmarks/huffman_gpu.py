@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvtc.codec import huffman as H  # noqa: E402
+from kvtc.codec.entropy import device_coder  # noqa: E402
 from kvtc.kernels import triton_huffman as K  # noqa: E402
 
 ENCODE_SWEEP = [dict(lanes=32, warps=1, vec=8, prefetch=0), dict(lanes=32, warps=1, vec=8, prefetch=1),
@@ -133,7 +134,7 @@ def main() -> None:
     import triton
 
     res["triton"] = triton.__version__
-    coder = H.device_coder(H.NAME, "cuda")
+    coder = device_coder(H.NAME, "cuda")
     assert coder is not None, "no huff4k GPU coder (CUDA + Triton needed)"
 
     # 6 streams of mixed sizes summing to --mb MB (1 MB = 2**20 bytes)

@@ -17,7 +17,7 @@ from kvtc import KVLayout
 from kvtc.calibration import Recipe, fit_calibration
 from kvtc.codec import Codec
 from kvtc.codec import nvcomp as gpu_entropy
-from kvtc.codec.entropy import BACKENDS
+from kvtc.codec.entropy import BACKENDS, device_coder
 from kvtc.codec.packing import pack, packed_plane_bytes
 from kvtc.codec.codec import CODED_TYPES
 from kvtc.quant import CLIPS, TYPE_BITS, clippable, dequantize, param_rows, quantize
@@ -153,7 +153,7 @@ def test_layer_by_layer_decode_on_gpu_matches_whole_decode(setup):
 
 
 def test_nvcomp_deflate_and_cpu_twin_decode_each_other():
-    coder = gpu_entropy.device_coder(gpu_entropy.NAME, "cuda")
+    coder = device_coder(gpu_entropy.NAME, "cuda")
     if coder is None:
         pytest.skip("nvCOMP not installed")
     g = torch.Generator().manual_seed(0)

@@ -285,4 +285,5 @@ def test_codec_keeps_one_basis_copy_unless_weighted(cals) -> None:
     for cal, shared in ((plain, True), (weighted, False)):
         codec = Codec(cal, 8)
         # the cached entry itself (on a GPU each entry is its own device copy)
-        assert (codec._basis_fp32("keys", 0) is codec._basis_fp32("keys", 0, decode=True)) is shared
+        tr = codec._transform
+        assert (tr.basis_fp32("keys", 0) is tr.basis_fp32("keys", 0, decode=True)) is shared

@@ -94,12 +94,6 @@ class Plan:
     def bits_per_token(self) -> int:
         return sum(group_bits(size, qtype) * rep for size, qtype, rep in self.segments)
 
-    def type_counts(self) -> dict[str, int]:
-        counts = {name: 0 for name in TYPE_NAMES.values()}
-        for size, qtype, rep in self.segments:
-            counts[TYPE_NAMES[qtype]] += size * rep
-        return counts
-
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "segments": [list(s) for s in self.segments],

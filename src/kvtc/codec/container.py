@@ -31,7 +31,8 @@ import torch
 from ..errors import FormatError, LayoutError, OutputBufferError
 from ..layout import KVLayout
 from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
-from .entropy import Parts, decode_stream, encode_stream
+from .buffers import Parts
+from .entropy import EntropyCoder, decode_stream, encode_stream
 from .packing import PACKINGS
 
 MAGIC = b"KVTC"
@@ -254,13 +255,13 @@ def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT
 
 
 def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: int,
-                  expected_raw: dict[str, int] | None = None, coder: Any = None, backend: str | None = None,
+                  expected_raw: dict[str, int] | None = None, coder: EntropyCoder | None = None, backend: str | None = None,
                   pinned: Any = None, deferred: list[Any] | None = None) -> dict[str, Any]:
     """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived.
 
     With ``coder`` (the GPU coder of entropy backend ``backend``), that backend's sections are decoded on its
     device in one batch into uint8 device tensors (``pinned``: the blob itself as a pinned uint8 host tensor, so
-    the coder copies from it to the device without staging); the CRC-32s are then checked on host threads while
+    a coder may copy from it to the device without staging); the CRC-32s are then checked on host threads while
     the device decodes, and a mismatch raises before anything is returned. Other sections decode on the CPU.
     ``deferred``: a list that receives the checksum check of the device-decoded sections instead of running it
     here, so that it overlaps the caller's device work; the caller must run it before handing anything out.
@@ -284,11 +285,8 @@ def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: in
     if on_device:
         raws = [header.sections[i].raw for i in on_device]
         try:
-            if pinned is not None and hasattr(coder, "decompress_pinned"):
-                dec = coder.decompress_pinned(pinned, [offsets[i] for i in on_device],
-                                              [header.sections[i].coded for i in on_device], raws)
-            else:
-                dec = coder.decompress([chunks[i] for i in on_device], raws)
+            dec = coder.decode([chunks[i] for i in on_device], raws,
+                               None if pinned is None else (pinned, [offsets[i] for i in on_device]))
             out.update({header.sections[i].name: t for i, t in zip(on_device, dec)})
         except FormatError as e:  # reported after the checksums: a damaged blob says so first
             device_error = e

@@ -1,7 +1,7 @@
 """CRC-32 (the zlib / container checksum) of large buffers on several threads.
 
 ``zlib.crc32`` runs on one core; a blob of hundreds of MB would spend most of a GPU restore's time in it.
-:func:`crc32_parallel` cuts a buffer into pieces, checksums them on a thread pool (zlib releases the GIL) and
+:func:`crc32_many` cuts buffers into pieces, checksums them on a thread pool (zlib releases the GIL) and
 joins the pieces' CRCs with :func:`crc32_combine` (GF(2) polynomial arithmetic, as zlib's ``crc32_combine``:
 ``crc(A‖B) = crc(A)·x^(8·len B) mod P  ⊕  crc(B)``). The result is the ordinary CRC-32 of the whole buffer.
 """
@@ -95,9 +95,4 @@ def crc32_many(buffers: Sequence[memoryview | bytes], pool: Executor | None = No
     return Pending(buffers, pool).result()
 
 
-def crc32_parallel(buffer: memoryview | bytes, pool: Executor | None = None) -> int:
-    """CRC-32 of one buffer, in pieces on ``pool``."""
-    return crc32_many([buffer], pool)[0]
-
-
-__all__ = ["Pending", "crc32_combine", "crc32_many", "crc32_parallel", "crc32_submit", "default_pool", "PIECE"]
+__all__ = ["Pending", "crc32_combine", "crc32_many", "crc32_submit", "default_pool", "PIECE"]

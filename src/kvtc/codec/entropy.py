@@ -1,28 +1,66 @@
-"""Lossless entropy backends behind one interface.
+"""Lossless entropy coders behind one interface, and their one registry.
 
-A backend turns bytes into bytes and back, and must refuse to produce more output than the caller
-declares (``raw_len`` comes from the validated container header), so a malicious stream cannot make a
-decoder allocate without bound. A stream that does not shrink is stored with the ``raw`` backend.
+Every coder follows :class:`EntropyCoder`: ``encode`` turns a batch of payloads into coded streams and
+``decode`` turns coded streams back into exactly their declared sizes (``raw_len`` comes from the validated
+container header, so a malicious stream cannot make a decoder allocate without bound). A host coder
+(:class:`Backend`) codes bytes on the CPU; a GPU coder codes uint8 device tensors and decodes into them. What
+one coder of a backend writes, every coder of that backend reads, on any machine.
 
-Backends are looked up by name in :data:`BACKENDS`; the GPU (nvCOMP) backend registers itself here when
-its package is importable, under its own name, so the container records which one coded each stream and
-any machine with that backend can decode it.
+:data:`BACKENDS` is the registry: backend name -> its host coder, which also knows how to build the backend's
+GPU coder where there is one (``huff4k``: Triton; ``deflate64k``: nvCOMP); :func:`device_coder` returns that GPU
+coder for a device, built once per device. The container records which backend coded each stream. A stream
+that does not shrink is stored with the ``raw`` backend.
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
 
 from ..errors import FormatError
+from . import huffman, huffman_gpu, nvcomp
+from .buffers import Parts
+
+#: the streams of a pinned uint8 host tensor: ``(tensor, byte offset of each stream)``
+Pinned = tuple[torch.Tensor, Sequence[int]]
+
+
+class EntropyCoder(Protocol):
+    """A lossless coder of one entropy backend, on the host or on one device."""
+
+    name: str
+
+    def encode(self, payloads: list[Any]) -> list[bytes | Parts]:
+        """One coded stream per payload (host coders: bytes; GPU coders: uint8 device tensors)."""
+        ...
+
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
+               pinned: Pinned | None = None) -> list[Any]:
+        """Each stream decoded to exactly its ``raw_lens`` bytes (host coders: bytes; GPU coders: uint8 device
+        tensors); a corrupt stream raises :class:`~kvtc.errors.FormatError`. ``pinned``: where the streams
+        also lie in pinned host memory (a GPU coder may copy from there)."""
+        ...
 
 
 @dataclass(frozen=True)
 class Backend:
+    """A host coder: a backend's per-stream ``compress`` and ``decompress`` functions, and the factory of its
+    GPU coder (None: CPU only)."""
+
     name: str
     compress: Callable[[bytes], bytes]
     decompress: Callable[[bytes, int], bytes]  # (data, raw_len) -> exactly raw_len bytes
+    gpu: Callable[[torch.device], EntropyCoder | None] | None = None
+
+    def encode(self, payloads: list[Any]) -> list[bytes | Parts]:
+        return [self.compress(p) for p in payloads]
+
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
+               pinned: Pinned | None = None) -> list[Any]:
+        return [self.decompress(s, n) for s, n in zip(streams, raw_lens)]
 
 
 def _raw_decompress(data: bytes, raw_len: int) -> bytes:
@@ -51,17 +89,11 @@ def _zlib_decompress(data: bytes, raw_len: int) -> bytes:
 BACKENDS: dict[str, Backend] = {
     "raw": Backend("raw", bytes, _raw_decompress),
     "zlib": Backend("zlib", _zlib_compress, _zlib_decompress),
+    # chunked raw DEFLATE: nvCOMP codes it on the GPU; its CPU twin (zlib) decodes it anywhere
+    nvcomp.NAME: Backend(nvcomp.NAME, nvcomp.cpu_compress, nvcomp.cpu_decompress, nvcomp.device_coder),
+    # per-stream canonical Huffman in 4 KiB blocks: Triton codes it on the GPU; its numpy twin decodes it anywhere
+    huffman.NAME: Backend(huffman.NAME, huffman.cpu_compress, huffman.cpu_decompress, huffman_gpu.device_coder),
 }
-
-# chunked raw DEFLATE: nvCOMP codes it on the GPU; its CPU twin (zlib) is always here, so any machine decodes it
-from . import nvcomp as _nvcomp  # noqa: E402 - needs Backend; imports nothing GPU-side until asked
-
-BACKENDS[_nvcomp.NAME] = Backend(_nvcomp.NAME, _nvcomp.cpu_compress, _nvcomp.cpu_decompress)
-
-# per-stream canonical Huffman in 4 KiB blocks: Triton codes it on the GPU; its numpy twin decodes it anywhere
-from . import huffman as _huffman  # noqa: E402 - imports nothing GPU-side until asked
-
-BACKENDS[_huffman.NAME] = Backend(_huffman.NAME, _huffman.cpu_compress, _huffman.cpu_decompress)
 
 try:
     import zstandard as _zstd
@@ -94,6 +126,7 @@ DEFAULT_BACKEND = "zstd" if "zstd" in BACKENDS else "zlib"
 
 
 def get_backend(name: str) -> Backend:
+    """The host coder of backend ``name``; a :class:`~kvtc.errors.FormatError` names the ones available."""
     try:
         return BACKENDS[name]
     except KeyError:
@@ -103,19 +136,24 @@ def get_backend(name: str) -> Backend:
         ) from None
 
 
-class Parts:
-    """A coded stream held as consecutive buffers (e.g. a small header in bytes and the payload still in a
-    pinned host buffer), joined only when the container is assembled: one copy instead of two."""
+_DEVICE_CODERS: dict[tuple[str, int], EntropyCoder] = {}
 
-    def __init__(self, buffers: list[bytes | memoryview]):
-        self.buffers = [memoryview(b).cast("B") for b in buffers]
-        self.nbytes = sum(len(b) for b in self.buffers)
 
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def __bytes__(self) -> bytes:
-        return b"".join(self.buffers)
+def device_coder(name: str, device: torch.device | str) -> EntropyCoder | None:
+    """The GPU coder of backend ``name`` on ``device``, built once per device; None for a backend without one (or
+    not registered), a device that is not CUDA, or a machine without CUDA or the coder's package."""
+    device = torch.device(device)
+    backend = BACKENDS.get(name)
+    if backend is None or backend.gpu is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (name, idx)
+    if key not in _DEVICE_CODERS:
+        coder = backend.gpu(torch.device("cuda", idx))
+        if coder is None:
+            return None
+        _DEVICE_CODERS[key] = coder
+    return _DEVICE_CODERS[key]
 
 
 @dataclass(frozen=True)
@@ -141,11 +179,16 @@ def encode_stream(data: bytes | Precoded, backend: str) -> tuple[str, bytes]:
             return data.backend, data.coded
         return "raw", data.raw()
     if backend != "raw" and data:
-        coded = get_backend(backend).compress(data)
+        (coded,) = get_backend(backend).encode([data])
         if len(coded) < len(data):
             return backend, coded
     return "raw", bytes(data)
 
 
 def decode_stream(data: bytes, backend: str, raw_len: int) -> bytes:
-    return get_backend(backend).decompress(data, raw_len)
+    """Decode one host stream of ``backend`` to exactly ``raw_len`` bytes."""
+    return get_backend(backend).decode([data], [raw_len])[0]
+
+
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "Backend", "EntropyCoder", "Parts", "Pinned", "Precoded", "decode_stream",
+           "device_coder", "encode_stream", "get_backend"]

@@ -11,7 +11,8 @@ nvCOMP's batched Deflate codes the chunks in parallel on the GPU (``BitstreamKin
 so each chunk is a plain RFC 1951 stream); the CPU twin uses zlib with ``wbits=-15``. Either side decodes
 what the other wrote, so a blob coded on the GPU opens on a CPU-only machine and the reverse. The CPU twin
 is always registered in :data:`kvtc.codec.entropy.BACKENDS`; the GPU coder exists only where the
-``nvidia-nvcomp-cu13`` (or ``-cu12``) package imports and CUDA is available (:func:`device_coder`).
+``nvidia-nvcomp-cu13`` (or ``-cu12``) package imports and CUDA is available (:func:`device_coder`, which the
+entropy registry calls).
 
 nvCOMP's ANS coder (faster, slightly smaller) has no CPU decoder, so it is not offered: a blob must stay
 readable on any machine.
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
+from .buffers import align
 
 NAME = "deflate64k"
 CHUNK = 1 << 16
@@ -127,7 +129,7 @@ class DeviceCoder:
         starts, pos = [], 0
         for t in flat:  # nvCOMP wants aligned chunk addresses: every stream starts on a 16-byte boundary
             starts.append(pos)
-            pos += _align(t.numel())
+            pos += align(t.numel())
         src = torch.empty(max(pos, 1), dtype=torch.uint8, device=self.device)
         for t, st in zip(flat, starts):
             src[st : st + t.numel()].copy_(t)
@@ -175,10 +177,10 @@ class DeviceCoder:
             for i, sz in enumerate(sizes):
                 c_offs.append(cpos)
                 c_sizes.append(int(sz))
-                cpos += _align(int(sz))  # nvCOMP wants aligned chunk addresses
+                cpos += align(int(sz))  # nvCOMP wants aligned chunk addresses
                 o_offs.append(opos + i * CHUNK)
                 o_sizes.append(min(CHUNK, n - i * CHUNK))
-            opos += _align(n)
+            opos += align(n)
         t0 = time.perf_counter()
         staging = torch.empty(max(cpos, 1), dtype=torch.uint8, pin_memory=True)
         buf = staging.numpy()
@@ -204,9 +206,15 @@ class DeviceCoder:
         self.last = {"stage_s": t1 - t0, "h2d_s": t2 - t1, "gpu_decode_s": time.perf_counter() - t2}
         return [out[st : st + n] for st, n in zip(o_starts, raw_lens)]
 
+    def encode(self, tensors: list[torch.Tensor]) -> list[bytes]:
+        """:meth:`compress` (the entropy coder protocol's name)."""
+        return self.compress(tensors)
 
-def _align(n: int, a: int = 16) -> int:
-    return -(-n // a) * a
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
+               pinned: tuple[torch.Tensor, list[int]] | None = None) -> list[torch.Tensor]:
+        """:meth:`decompress` (the entropy coder protocol's name); the streams are staged from host memory
+        whether or not they lie in ``pinned``."""
+        return self.decompress(streams, raw_lens)
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,21 +226,10 @@ def _nvcomp() -> Any:
     return nvcomp
 
 
-_CODERS: dict[tuple[str, int], DeviceCoder] = {}
-
-
-def device_coder(backend: str, device: torch.device | str) -> DeviceCoder | None:
-    """The GPU coder of ``backend`` on ``device``, or None (no nvCOMP, no CUDA, or a CPU-only backend)."""
-    device = torch.device(device)
-    if backend != NAME or device.type != "cuda" or not torch.cuda.is_available():
-        return None
+def device_coder(device: torch.device) -> DeviceCoder | None:
+    """A ``deflate64k`` GPU coder on ``device`` (a CUDA device), or None where nvCOMP does not import."""
     nv = _nvcomp()
-    if nv is None:
-        return None
-    key = (backend, device.index or 0)
-    if key not in _CODERS:
-        _CODERS[key] = DeviceCoder(nv, torch.device("cuda", device.index or 0))
-    return _CODERS[key]
+    return None if nv is None else DeviceCoder(nv, device)
 
 
 __all__ = ["NAME", "CHUNK", "cpu_compress", "cpu_decompress", "device_coder", "DeviceCoder"]

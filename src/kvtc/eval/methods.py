@@ -35,7 +35,7 @@ from ..calibration import Calibration
 from ..codec import Codec
 from ..layout import DTYPES, KVSlice
 from ..progress import StageTimer
-from ..quant import INT2, INT4, dequantize, quantize
+from ..quant import FP8_MAX, INT2, INT4, dequantize, quantize
 from ..rope import RopeSpec
 
 #: bytes of one value in the reference (16-bit) cache
@@ -45,7 +45,6 @@ KIVI_GROUP = 32
 #: transformers' QuantizedCache defaults
 PEER_GROUP = 64
 PEER_AXIS = 0
-FP8_MAX = 448.0
 
 
 @dataclass

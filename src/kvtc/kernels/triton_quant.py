@@ -26,6 +26,8 @@ import triton.language as tl
 from ..quant import FP8, FP8_MAX, FP8_TYPES, INT2, INT4, SYMMETRIC, TYPE_BITS
 
 _HALF_MAX = 65504.0
+#: the kernels' view of kvtc.quant.FP8_MAX (a Triton kernel reads only constexpr globals)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 BLOCK_T = 64
 #: components a program holds at once (groups are cut in chunks of this many, or packed this many a program)
 TILE_C = 64
@@ -90,14 +92,14 @@ def _quantize_pack_kernel(
         if HAS_CLIP:
             amp = amp * tl.load(clip_ptr + gi, mask=gmask, other=1.0)[None, :]
         if IS_FP8:
-            scale = _half_up(_div_rn(amp, 448.0))
+            scale = _half_up(_div_rn(amp, _FP8_MAX))
         else:
             scale = _half_up(_div_rn(amp * 2.0, LEVELS * 1.0))
     elif IS_FP8:
         shift = (tl.minimum(tl.maximum((hi + lo) * 0.5, -65504.0), 65504.0)).to(tl.float16)
         sh = shift.to(tl.float32)
         amp = tl.maximum(tl.maximum(hi - sh, sh - lo), 0.0)
-        scale = _half_up(_div_rn(amp, 448.0))
+        scale = _half_up(_div_rn(amp, _FP8_MAX))
     else:
         shift = (tl.minimum(tl.maximum(lo, -65504.0), 65504.0)).to(tl.float16)
         sh = shift.to(tl.float32)
@@ -122,7 +124,7 @@ def _quantize_pack_kernel(
             y = y + LEVELS * 0.5
         y = tl.where(pos[:, :, None], y, 0.0)
         if IS_FP8:
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
             sym = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
             sym = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS * 1.0).to(tl.int32)
@@ -211,45 +213,38 @@ def _per(qtype: int, packing: str) -> int:
     return 1 if packing == "bytes" or bits == 8 else 8 // bits
 
 
+def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int, size: int,
+         params: torch.Tensor, plane: torch.Tensor, packing: str, extra: tuple, **consts) -> None:
+    """Launch ``kernel`` over a bucket's groups and the rows of ``t`` ``[n, k]`` (the coefficients)."""
+    n = t.shape[0]
+    ngroups = col0.numel()
+    if n == 0 or ngroups == 0:
+        return
+    assert t.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
+    gpb, ch = _shape(size)
+    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
+    kernel[grid](
+        t, t.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1], *extra,
+        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing),
+        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, **consts,
+    )
+
+
 def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
                   qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
                   clips: torch.Tensor | None = None) -> None:
     """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
     (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). ``clips``: float32 per
     group (scale-only int types). In place."""
-    n = coeffs.shape[0]
-    ngroups = col0.numel()
-    if n == 0 or ngroups == 0:
-        return
-    assert coeffs.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
-    gpb, ch = _shape(size)
-    per = _per(qtype, packing)
-    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
-    _quantize_pack_kernel[grid](
-        coeffs, coeffs.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
-        clips if clips is not None else col0,
-        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, HAS_CLIP=clips is not None,
-        LEVELS=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
-        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4,
-    )
+    _run(_quantize_pack_kernel, coeffs, col0, row0, prow, qtype, size, params, plane, packing,
+         (clips if clips is not None else col0,), HAS_CLIP=clips is not None, LEVELS=(1 << TYPE_BITS[qtype]) - 1)
 
 
 def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
                       qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
     """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``."""
-    n = out.shape[0]
-    ngroups = col0.numel()
-    if n == 0 or ngroups == 0:
-        return
-    assert out.stride(1) == 1 and params.is_contiguous() and plane.is_contiguous()
-    gpb, ch = _shape(size)
-    per = _per(qtype, packing)
-    grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
-    _unpack_dequantize_kernel[grid](
-        out, out.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1],
-        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, MASK=(1 << TYPE_BITS[qtype]) - 1, BITS=TYPE_BITS[qtype], PER=per,
-        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, enable_fp_fusion=False,
-    )
+    _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing, (),
+         MASK=(1 << TYPE_BITS[qtype]) - 1, enable_fp_fusion=False)
 
 
-__all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8", "FP8_MAX"]
+__all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8"]

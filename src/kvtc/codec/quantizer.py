@@ -1,0 +1,188 @@
+"""The quantizer stage of the codec: PCA coefficients <-> one PCA group's coded sections, by its bit plan.
+
+A group's sections (docs/FORMAT.md): ``{prefix}.params`` (fp16 ``[R, N]``: each kept group's per-token range
+parameters in plan order, a row of N tokens each: shift then scale, or the scale alone for a scale-only type) and
+``{prefix}.{type}`` (packed planes, component order) for each type the plan uses, in :data:`CODED_TYPES` order.
+
+:class:`Quantizer` runs the fused Triton kernels (:mod:`kvtc.kernels`) on a CUDA device and the torch reference
+(:mod:`kvtc.quant`, :mod:`kvtc.codec.packing`) everywhere else; both write the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import kernels
+from ..calibration.dp import Plan
+from ..quant import (DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S, TYPE_BITS, TYPE_NAMES, dequantize,
+                     param_rows, quantize)
+from .buffers import from_le, le_bytes, section_tensor
+from .clock import Clock
+from .packing import pack, packed_plane_bytes, unpack
+
+#: stream order in a blob (the paper's types first: a blob that uses only them is laid out as before ours existed)
+CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S)
+
+
+@dataclass
+class Bucket:
+    """Kept groups of one (type, size): where their components go in the plane and in the params."""
+
+    qtype: int
+    size: int
+    columns: torch.Tensor  # [n, size] component indices
+    plane_rows: torch.Tensor  # [n * size] rows of the type's plane, component-major
+    param_rows: torch.Tensor  # [n] first row of each group in the params stream (its shift, or its scale)
+    clips: torch.Tensor | None = None  # [n] float32 encoder clips (None: all 1)
+
+    def device_clips(self, device: torch.device) -> torch.Tensor | None:
+        if self.clips is None:
+            return None
+        cache = self.__dict__.setdefault("_clips", {})
+        if str(device) not in cache:
+            cache[str(device)] = self.clips.to(device).contiguous()
+        return cache[str(device)]
+
+    def starts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int32 (first column, first plane row, params row) of each group, for the fused kernels."""
+        key = str(device)
+        cache = self.__dict__.setdefault("_starts", {})
+        if key not in cache:
+            cache[key] = tuple(t.to(device, torch.int32).contiguous() for t in
+                               (self.columns[:, 0], self.plane_rows.view(-1, self.size)[:, 0], self.param_rows))
+        return cache[key]
+
+
+@dataclass
+class PlanLayout:
+    """Where a plan's kept groups go: the params rows and each type's plane rows."""
+
+    plan: Plan
+    components: int  # basis rows the plan uses
+    kept_groups: int
+    param_rows: int  # rows of the params stream
+    plane_sizes: dict[int, int]  # type -> components in its plane
+    buckets: list[Bucket]
+
+    @classmethod
+    def build(cls, plan: Plan) -> PlanLayout:
+        kept = [(start, size, t) for start, size, t in plan.groups() if t != DROP]
+        plane_sizes = {t: 0 for t in CODED_TYPES}
+        plane_row_of: list[int] = []
+        param_row_of: list[int] = []
+        prows = 0
+        for _, size, t in kept:
+            plane_row_of.append(plane_sizes[t])
+            plane_sizes[t] += size
+            param_row_of.append(prows)
+            prows += param_rows(t)
+        by: dict[tuple[int, int], list[int]] = {}
+        for gi, (_, size, t) in enumerate(kept):
+            by.setdefault((t, size), []).append(gi)
+        clips = plan.kept_clips()
+        buckets = []
+        for (t, size), gis in sorted(by.items()):
+            cl = torch.tensor([clips[g] for g in gis], dtype=torch.float32)
+            starts = torch.tensor([kept[g][0] for g in gis], dtype=torch.int64)
+            offs = torch.arange(size, dtype=torch.int64)
+            rows0 = torch.tensor([plane_row_of[g] for g in gis], dtype=torch.int64)
+            buckets.append(
+                Bucket(t, size, starts[:, None] + offs, (rows0[:, None] + offs).reshape(-1),
+                       torch.tensor([param_row_of[g] for g in gis], dtype=torch.int64),
+                       cl if bool((cl != 1.0).any()) else None)
+            )
+        return cls(plan, plan.kept_components, len(kept), prows, {t: n for t, n in plane_sizes.items() if n}, buckets)
+
+    def section_sizes(self, prefix: str, tokens: int, packing: str) -> dict[str, int]:
+        """Raw bytes of each of the group's sections for ``tokens`` coded tokens, in blob order."""
+        sizes = {f"{prefix}.params": self.param_rows * tokens * 2}
+        for t in CODED_TYPES:
+            if t in self.plane_sizes:
+                sizes[f"{prefix}.{TYPE_NAMES[t]}"] = self.plane_sizes[t] * packed_plane_bytes(tokens, TYPE_BITS[t],
+                                                                                                packing)
+        return sizes
+
+
+class Quantizer:
+    """Coefficients ``[tokens, components]`` <-> a PCA group's sections; fused GPU kernels when ``fused``."""
+
+    def __init__(self, device: torch.device, fused: bool):
+        self.device = device
+        self.fused = fused
+
+    def encode(self, prefix: str, coeffs: torch.Tensor, pl: PlanLayout, packing: str,
+               clock: Clock) -> list[tuple[str, Any]]:
+        """The group's sections: device tensors (fused path: the GPU entropy coder or a copy takes them to the
+        host) or little-endian host bytes."""
+        n, dev = coeffs.shape[0], coeffs.device
+        if self.fused:
+            with clock("quantize"):
+                params = torch.empty((pl.param_rows, n), dtype=torch.float16, device=dev)
+                planes = {t: torch.empty((c, packed_plane_bytes(n, TYPE_BITS[t], packing)), dtype=torch.uint8,
+                                         device=dev) for t, c in pl.plane_sizes.items()}
+                for b in pl.buckets:
+                    kernels.quantize_pack(coeffs, *b.starts(dev), b.qtype, b.size, params, planes[b.qtype], packing,
+                                          b.device_clips(dev))
+            out: list[tuple[str, Any]] = [(f"{prefix}.params", params.view(torch.uint8).reshape(-1))]
+            out.extend((f"{prefix}.{TYPE_NAMES[t]}", planes[t].reshape(-1)) for t in CODED_TYPES if t in planes)
+            return out
+        with clock("quantize"):
+            params = torch.empty((pl.param_rows, n), dtype=torch.float16, device=dev)
+            planes = {t: torch.empty((c, n), dtype=torch.uint8, device=dev) for t, c in pl.plane_sizes.items()}
+            for b in pl.buckets:
+                x = coeffs[:, b.columns.to(dev)]  # [n, groups, size]
+                sym, shift, scale = quantize(x, b.qtype, 1.0 if b.clips is None else b.clips)
+                pr = b.param_rows.to(dev)
+                if param_rows(b.qtype) == 2:
+                    params[pr] = shift.T
+                    params[pr + 1] = scale.T
+                else:
+                    params[pr] = scale.T
+                planes[b.qtype][b.plane_rows.to(dev)] = sym.permute(1, 2, 0).reshape(-1, n)
+        with clock("pack"):
+            out = [(f"{prefix}.params", le_bytes(params))]
+            for t in CODED_TYPES:
+                if t in planes:
+                    out.append((f"{prefix}.{TYPE_NAMES[t]}", le_bytes(pack(planes[t].cpu(), TYPE_BITS[t], packing))))
+        return out
+
+    def decode(self, prefix: str, secs: dict[str, Any], pl: PlanLayout, n: int, packing: str, clock: Clock,
+               dtype: torch.dtype = torch.float32, columns: int | None = None) -> torch.Tensor:
+        """The group's coefficients ``[n, columns]`` (``columns``: at least the plan's components; the extra ones
+        stay zero) from its sections; ``dtype``: of the fused path's coefficients (the reference's are float32)."""
+        if self.fused:
+            with clock("unpack"):
+                params = section_tensor(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n), self.device)
+                planes = {t: section_tensor(secs[f"{prefix}.{TYPE_NAMES[t]}"], torch.uint8,
+                                            (c, packed_plane_bytes(n, TYPE_BITS[t], packing)), self.device)
+                          for t, c in pl.plane_sizes.items()}
+            with clock("dequantize"):
+                coeffs = torch.zeros((n, columns or pl.components), dtype=dtype, device=self.device)
+                for b in pl.buckets:
+                    kernels.unpack_dequantize(coeffs, *b.starts(self.device), b.qtype, b.size, params,
+                                              planes[b.qtype], packing)
+            return coeffs
+        with clock("unpack"):
+            params = from_le(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n)).to(self.device)
+            planes = {}
+            for t, c in pl.plane_sizes.items():
+                per = packed_plane_bytes(n, TYPE_BITS[t], packing)
+                packed = from_le(secs[f"{prefix}.{TYPE_NAMES[t]}"], torch.uint8, (c, per))
+                planes[t] = unpack(packed, n, TYPE_BITS[t], packing).to(self.device)
+        with clock("dequantize"):
+            coeffs = torch.zeros((n, pl.components), dtype=torch.float32, device=self.device)
+            for b in pl.buckets:
+                sym = planes[b.qtype][b.plane_rows.to(self.device)].reshape(-1, b.size, n).permute(2, 0, 1)
+                pr = b.param_rows.to(self.device)
+                if param_rows(b.qtype) == 2:
+                    vals = dequantize(sym, params[pr].T, params[pr + 1].T, b.qtype)
+                else:
+                    vals = dequantize(sym, None, params[pr].T, b.qtype)
+                coeffs[:, b.columns.to(self.device)] = vals
+        return coeffs
+
+
+__all__ = ["CODED_TYPES", "Bucket", "PlanLayout", "Quantizer"]

@@ -1,0 +1,199 @@
+"""The PCA transform of the codec: feature rows -> coefficients (:meth:`PCATransform.project`) and back
+(:meth:`PCATransform.reconstruct`), in the codec's precision, with each basis cached on the codec's device.
+
+Precisions (on CUDA with the fused kernels; the CPU path always computes in fp32):
+
+* ``fp32``: the reference arithmetic (TF32 off);
+* ``bf16``: tensor cores, fp32 accumulate (the projection returns float32, the reconstruction bfloat16);
+* ``fp8``: E4M3 operands with per-row and per-column float32 scales, fp32 accumulate (twice bf16's rate on
+  Hopper; adds about 1e-3 relative squared error to the projection). The coefficients are padded with zero
+  columns to a multiple of :data:`FP8_ALIGN` components.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ..calibration.artifact import Calibration
+from ..quant import FP8_MAX
+from .buffers import align
+
+#: projection arithmetic on CUDA (see the module docstring)
+PRECISIONS = ("fp32", "bf16", "fp8")
+#: fp8 bases are padded to a multiple of this many components (cuBLASLt's fast fp8 kernels want K % 32 == 0)
+FP8_ALIGN = 64
+
+Basis = tuple[torch.Tensor, torch.Tensor]
+
+
+class PCATransform:
+    """Projection and reconstruction with a calibration's PCA bases, in one precision on one device.
+
+    ``fused``: the codec runs the fused GPU path (only then do ``bf16`` and ``fp8`` apply)."""
+
+    def __init__(self, calibration: Calibration, device: torch.device, precision: str, fused: bool):
+        self.calibration = calibration
+        self.device = device
+        self.bf16 = fused and precision == "bf16"
+        self.fp8 = fused and precision == "fp8"
+        self._bases: dict[tuple, Basis] = {}
+
+    # ------------------------------------------------------------------ bases
+    def _side(self, kind: str, g: int, decode: bool) -> bool:
+        """Whether the decode basis differs from the encode one (sensitivity-weighted groups only): the cache
+        keys on this, so an unweighted codec holds one copy of each basis for both directions."""
+        return decode and self.calibration.pcas[kind][g].scale is not None
+
+    def basis(self, kind: str, g: int, k: int, decode: bool = False) -> Basis:
+        """``(mean, first k basis rows)`` on the device (the rows in bfloat16 for ``bf16``)."""
+        decode = self._side(kind, g, decode)
+        mean, basis = self.basis_fp32(kind, g, decode)
+        if self.bf16:
+            bkey = (kind, g, "bf16", decode)
+            if bkey not in self._bases:
+                self._bases[bkey] = (mean, basis.to(torch.bfloat16))
+            basis = self._bases[bkey][1]
+        return mean, basis[:k]
+
+    def fp8_basis(self, kind: str, g: int, k: int, transposed: bool) -> Basis:
+        """The first ``k`` basis rows in E4M3 with their scales, padded with zero rows to a multiple of
+        :data:`FP8_ALIGN` components (fp8 matmuls need 16; on the H200 a count that is 16 mod 32 runs ~30% slower,
+        ``benchmarks/fp8_alignment.py``). ``transposed=False``: ``[p, k16]`` column-major with per-component scales ``[1, k16]``
+        (for the projection); ``True``: ``[k16, p]`` column-major with per-feature scales ``[1, p]``."""
+        key = (kind, g, "fp8", k, transposed)
+        if key not in self._bases:
+            _, basis = self.basis_fp32(kind, g, decode=transposed)
+            k16 = align(k, FP8_ALIGN)
+            b = torch.zeros((k16, basis.shape[1]), dtype=torch.float32, device=self.device)
+            b[:k] = basis[:k]
+            if not transposed:
+                scale = (b.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-30)
+                q = (b / scale[:, None]).to(torch.float8_e4m3fn)  # [k16, p] row-major = [p, k16] column-major
+                self._bases[key] = (q.T, scale[None, :].contiguous())
+            else:
+                scale = (b.abs().amax(dim=0) / FP8_MAX).clamp(min=1e-30)
+                q = (b / scale[None, :]).T.contiguous().to(torch.float8_e4m3fn)  # [p, k16] row-major
+                self._bases[key] = (q.T, scale[None, :].contiguous())
+        return self._bases[key]
+
+    def basis_fp32(self, kind: str, g: int, decode: bool = False) -> Basis:
+        """``(mean, basis)`` in feature units: the projection's (encode) or the reconstruction's (decode); they
+        differ only for a sensitivity-weighted calibration (:meth:`PCAResult.coder_basis`)."""
+        decode = self._side(kind, g, decode)
+        key = (kind, g, decode)
+        if key not in self._bases:
+            pca = self.calibration.pcas[kind][g]
+            mean, basis = pca.coder_basis(decode)
+            self._bases[key] = (mean.to(self.device), basis.contiguous().to(self.device))
+        return self._bases[key]
+
+    # ------------------------------------------------------------------ the two directions
+    def coefficient_columns(self, k: int) -> int:
+        """Columns of the coefficients of ``k`` components (fp8: padded to :data:`FP8_ALIGN`)."""
+        return align(k, FP8_ALIGN) if self.fp8 else k
+
+    @property
+    def coefficient_dtype(self) -> torch.dtype:
+        """The dtype of the coefficients :meth:`reconstruct` takes from the fused decoder."""
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype :meth:`reconstruct` produces."""
+        return torch.bfloat16 if self.fp8 or self.bf16 else torch.float32
+
+    def project(self, kind: str, g: int, x: torch.Tensor, k: int) -> torch.Tensor:
+        """``(x − µ) @ basisᵀ`` of group ``g``'s first ``k`` components, ``[rows, k]`` float32."""
+        mean, basis = self.basis(kind, g, k)
+        if self.fp8:
+            fp8 = self.fp8_basis(kind, g, k, False)
+            a, sa = _fp8_rows(x.to(torch.bfloat16) - mean.to(torch.bfloat16))
+            out = torch._scaled_mm(a, fp8[0], scale_a=sa, scale_b=fp8[1], out_dtype=torch.bfloat16)
+            return out[:, : basis.shape[0]].float()
+        if self.bf16:
+            return _mm_f32((x.to(torch.bfloat16) - mean.to(torch.bfloat16)), basis.T)
+        with _no_tf32():
+            return (x.float() - mean) @ basis.T
+
+    def reconstruct(self, kind: str, g: int, coeffs: torch.Tensor, k: int,
+                    out: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """``coeffs @ basis + µ`` of group ``g``'s first ``k`` components, in :attr:`out_dtype`. ``out``:
+        ``[rows, features]`` tensors of :attr:`out_dtype` that take consecutive blocks of the rows (then None is
+        returned)."""
+        mean, basis = self.basis(kind, g, k, decode=True)
+        if self.fp8:
+            return _reconstruct_fp8(coeffs, mean, self.fp8_basis(kind, g, k, True), out)
+        return self._addmm(coeffs, mean, basis, out)
+
+    def reconstruct_columns(self, kind: str, g: int, coeffs: torch.Tensor, k: int,
+                            columns: torch.Tensor) -> torch.Tensor:
+        """:meth:`reconstruct` of the feature ``columns`` of group ``g`` alone (one layer's, say)."""
+        mean, basis = self.basis(kind, g, k, decode=True)
+        return self._addmm(coeffs, mean[columns], basis[:, columns], None)  # type: ignore[return-value]
+
+    def _addmm(self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor,
+               out: list[torch.Tensor] | None) -> torch.Tensor | None:
+        if self.bf16:
+            mean, coeffs = mean.to(torch.bfloat16), coeffs.to(torch.bfloat16)
+        if out is None:
+            with _no_tf32():
+                return torch.addmm(mean, coeffs, basis)
+        r0 = 0
+        with _no_tf32():
+            for o in out:
+                torch.addmm(mean, coeffs[r0 : r0 + o.shape[0]], basis, out=o)
+                r0 += o.shape[0]
+        return None
+
+
+def _reconstruct_fp8(coeffs: torch.Tensor, mean: torch.Tensor, fp8: Basis,
+                     out: list[torch.Tensor] | None) -> torch.Tensor | None:
+    k16 = fp8[0].shape[0]
+    c = coeffs if coeffs.shape[1] == k16 else torch.nn.functional.pad(coeffs, (0, k16 - coeffs.shape[1]))
+    a, sa = _fp8_rows(c)
+    mean16 = mean.to(torch.bfloat16)
+    if out is None:
+        res = torch._scaled_mm(a, fp8[0], scale_a=sa, scale_b=fp8[1], out_dtype=torch.bfloat16)
+        return res.add_(mean16)
+    r0 = 0
+    for o in out:
+        r1 = r0 + o.shape[0]
+        # cuBLASLt wants 16-byte aligned scale pointers: a block starting at a row that is not a multiple of
+        # 4 gets its own copy of the (tiny) row-scale vector; its fp8 rows are k16 bytes each, always aligned
+        sa_blk = sa[r0:r1] if r0 % 4 == 0 else sa[r0:r1].clone()
+        res = torch._scaled_mm(a[r0:r1], fp8[0], scale_a=sa_blk, scale_b=fp8[1], out_dtype=torch.bfloat16)
+        torch.add(res, mean16, out=o)
+        r0 = r1
+    return None
+
+
+@contextmanager
+def _no_tf32() -> Iterator[None]:
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [n, m]`` -> (E4M3 values, float32 per-row scales ``[n, 1]``) for ``torch._scaled_mm`` (the
+    division runs in ``x``'s own dtype: no float32 copy of a bf16 input)."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-30).to(x.dtype)
+    q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 product with float32 output (fp32 accumulate) where torch offers it, else upcast."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return torch.mm(a, b).float()
+
+
+__all__ = ["FP8_ALIGN", "PRECISIONS", "PCATransform"]
