@@ -150,7 +150,7 @@ def test_kvtc_codec_without_calibration(store):
 @pytest.mark.parametrize("url,problem,fix", [
     ("", "store='' is not a store URL", "set store to file:///"),
     ("memory://", "store='memory://' is private to one process", "use file:///"),
-    ("ftp://host/dir", "store='ftp://host/dir' is not a file:// or redis:// URL", "use file:///absolute/dir"),
+    ("ftp://host/dir", "store='ftp://host/dir' cannot be opened", "'ftp'"),  # the fix: the store's list of schemes
     ("file://otherhost/dir", "store='file://otherhost/dir' cannot be opened", "use file:///absolute/path"),
     ("file:///tmp/kvtc-store?max_bytes=lots", "store='file:///tmp/kvtc-store?max_bytes=lots' cannot be opened",
      "max_bytes"),

@@ -112,13 +112,9 @@ class ConnectorConfig:
         if not isinstance(url, str) or not url:
             raise _refuse("store", url, "is not a store URL", "set store to file:///absolute/dir or "
                           "redis://host:port/db")
-        scheme = urlsplit(url).scheme.lower()
-        if scheme == "memory":
+        if urlsplit(url).scheme.lower() == "memory":
             raise _refuse("store", url, "is private to one process, and vLLM's scheduler and workers run in "
                           "separate processes (nothing stored would ever be found)",
-                          "use file:///absolute/dir or redis://host:port/db")
-        if scheme not in ("", "file", "redis", "rediss"):
-            raise _refuse("store", url, "is not a file:// or redis:// URL",
                           "use file:///absolute/dir or redis://host:port/db")
 
     @classmethod
