@@ -38,3 +38,8 @@ class OutputBufferError(KVTCError, ValueError):
 
 class StoreError(KVTCError, OSError):
     """A cache store failed in a way the caller must handle (not a plain miss)."""
+
+
+class ConfigError(KVTCError, ValueError):
+    """A configuration value is unusable (unknown key, wrong type, out of range, names nothing that works);
+    the message names the key, the value and the fix."""

@@ -3,7 +3,11 @@
 Load it with ``--kv-transfer-config '{"kv_connector": "KVTCConnector", "kv_connector_module_path":
 "kvtc.integrations.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
 "kv_connector_extra_config": {...}}'`` or through the ``vllm.general_plugins`` entry point
-(:func:`register`). Importing this package does not import vLLM; :mod:`.paged` needs only torch.
+(:func:`register`). Importing this package does not import vLLM; :mod:`.paged`, :mod:`.config` and :mod:`.codecs`
+need only torch (the startup checks of a configuration can run without an engine).
+
+Modules: :mod:`.connector` (the facade vLLM loads), :mod:`.scheduler` and :mod:`.worker` (its two sides),
+:mod:`.config` (configuration and its validation), :mod:`.codecs`, :mod:`.metadata`, :mod:`.paged`.
 """
 
 from __future__ import annotations

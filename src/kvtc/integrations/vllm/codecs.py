@@ -1,0 +1,129 @@
+"""The codecs of stored chunks, and the startup check that the calibration fits the served model."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from ...calibration import Calibration
+from ...codec import Codec
+from ...errors import CalibrationError, CalibrationMismatch, ConfigError
+from ...layout import KVLayout
+from ...rope import RopeSpec
+from .config import WHERE, ConnectorConfig
+
+logger = logging.getLogger("kvtc.vllm")
+
+
+class Codecs:
+    """The codecs for stored chunks: the first chunk of a sequence keeps its sinks, later chunks code every token.
+
+    Build it with :meth:`for_model`, which loads the calibration and refuses, before anything is served, a
+    calibration that is unreadable, has no bit plan for the ratio, or was made for another model.
+    """
+
+    def __init__(self, config: ConnectorConfig, calibration: Calibration | None, rope: RopeSpec | None,
+                 model: str = "the served model") -> None:
+        if config.codec == "kvtc" and (calibration is None or rope is None):
+            raise ConfigError("codec='kvtc' needs a calibration and the model's RoPE spec; build the codecs with "
+                              "Codecs.for_model")
+        self.config = config
+        self.calibration = calibration
+        self.rope = rope
+        self.model = model
+        self._by_layout: dict[tuple[KVLayout, bool], Codec] = {}
+        self._checked: dict[tuple, Calibration] = {}  # the checked calibration per model shape and heads
+
+    @classmethod
+    def for_model(cls, config: ConnectorConfig, hf_config: Any, model: str = "the served model") -> Codecs:
+        """The codecs of ``config`` for the model that ``hf_config`` (its transformers config) describes.
+
+        For the kvtc codec: loads the calibration, checks that it holds a bit plan for ``ratio`` and that it was
+        made for this model (:meth:`Calibration.check_model`, the check every integration shares). ``model``
+        names the served model in error messages.
+        """
+        if config.codec == "identity":
+            if config.calibration is not None:
+                logger.warning("KVTCConnector: codec='identity' stores raw KV; calibration=%r is not used",
+                               config.calibration)
+            return cls(config, None, None, model)
+        from ..hf import describe_model
+
+        calibration = load_calibration(config)
+        layout, rope = describe_model(hf_config)  # the model's KV layers, heads, head_dim and RoPE
+        codecs = cls(config, calibration, rope, model)
+        codecs.check(layout)
+        return codecs
+
+    @property
+    def calibration_hash(self) -> str:
+        return self.calibration.hash if self.calibration is not None else "none"
+
+    def check(self, layout: KVLayout) -> None:
+        """Build the codecs of ``layout`` (the model's, or the one this rank registered) now, refusing a
+        calibration that does not fit it."""
+        for first_chunk in (True, False):
+            self.codec(layout, first_chunk)
+
+    def _calibration_for(self, layout: KVLayout) -> Calibration:
+        calib = self.calibration
+        assert calib is not None and self.rope is not None
+        key = (layout.model_shape, layout.heads)
+        if key in self._checked:
+            return self._checked[key]
+        try:
+            if layout.heads == calib.layout.heads:
+                calib.check_model(layout, self.rope, model=self.model)
+            else:  # tensor parallelism: check against the whole model, then keep this rank's heads only
+                calib.check_model(dataclasses.replace(layout, heads=()), self.rope, model=self.model)
+                calib = calib.shard(layout.heads)
+        except CalibrationMismatch as e:
+            raise ConfigError(f"{WHERE}: calibration={self.config.calibration!r} does not fit "
+                              f"{self.model}: {e}") from e
+        self._checked[key] = calib
+        return calib
+
+    def codec(self, layout: KVLayout, first_chunk: bool) -> Codec:
+        key = (layout, first_chunk)
+        if key not in self._by_layout:
+            if self.calibration is None:
+                self._by_layout[key] = Codec.identity()
+            else:
+                sinks = self.config.sinks if first_chunk else 0
+                self._by_layout[key] = Codec(self._calibration_for(layout), ratio=self.config.ratio, sinks=sinks,
+                                             window=0)
+        return self._by_layout[key]
+
+    @property
+    def post_rope(self) -> bool:
+        """Identity entries hold the cache's own post-RoPE keys (bit-exact, no rotation round trip); kvtc
+        entries hold pre-RoPE keys, the basis the calibration was fitted on."""
+        return self.config.codec == "identity"
+
+    def dtype(self, cache_dtype: torch.dtype) -> str:
+        """Element type of the stored slices: the cache's own float type for identity coding (fp8 caches are
+        dequantized to float32), bf16 for the transform codec."""
+        if self.config.codec != "identity":
+            return "bfloat16"
+        return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(cache_dtype, "float32")
+
+
+def load_calibration(config: ConnectorConfig) -> Calibration:
+    """The configured calibration, with a bit plan for the configured ratio; anything else is a ConfigError."""
+    path = config.calibration
+    try:
+        calibration = Calibration.load(path)  # type: ignore[arg-type]
+    except CalibrationError as e:
+        raise ConfigError(f"{WHERE}: calibration={path!r} cannot be used: {e}") from e
+    try:
+        calibration.plans_for(config.ratio)
+    except CalibrationError:
+        have = ", ".join(f"{r:g}" for r in calibration.ratios) or "none"
+        raise ConfigError(
+            f"{WHERE}: ratio={config.ratio:g} has no bit plan in calibration {path!r} (it has plans for {have}); "
+            f"set ratio to one of those, or recalibrate with `kvtc calibrate --ratios ... {config.ratio:g}`"
+        ) from None
+    return calibration
