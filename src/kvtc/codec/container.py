@@ -44,7 +44,7 @@ MAX_BATCH = 1 << 12
 MAX_TOKENS = 1 << 22
 MAX_SECTIONS = 4096
 MAX_TOTAL_RAW_BYTES = 1 << 36
-MAX_KV_HEADS = 1 << 16
+MAX_KV_HEADS = 1 << 12  # served models have at most a few hundred KV heads
 MODES = ("kvtc", "identity")
 #: default ceiling on the bytes one ``decode`` may produce and stage (the ``max_decoded_bytes`` of a Codec)
 DEFAULT_MAX_DECODED_BYTES = 32 << 30
