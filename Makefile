@@ -27,7 +27,7 @@ assets: $(STAMP)
 demo: assets
 	$(PY) -m kvtc demo
 
-test: assets
+test: assets lint
 	scripts/ensure_redis.sh
 	$(PY) -m pytest -q -ra
 

@@ -40,8 +40,9 @@ def machine() -> dict[str, Any]:
         import kvtc
 
         info["kvtc"] = kvtc.__version__
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True).stdout.strip()
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except Exception:
         pass
     if torch.cuda.is_available():
@@ -103,7 +104,9 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 ROUNDTRIP_KEYS = ("ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")
 
 
-def roundtrip_rows(model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int) -> list[tuple[str, Any, dict[str, Any]]]:
+def roundtrip_rows(
+    model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int
+) -> list[tuple[str, Any, dict[str, Any]]]:
     """``kvtc eval``'s storage round trip of ``methods`` on ``windows`` windows (seed 0) of each built-in text:
     ``(text, method, {figure: value})`` for every pair."""
     from kvtc import assets
@@ -112,7 +115,9 @@ def roundtrip_rows(model: Any, tok: Any, methods: list[Any], texts: list[str], w
 
     out = []
     for text in texts:
-        ids = assets.token_windows(tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, windows, seed=0)
+        ids = assets.token_windows(
+            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, windows, seed=0
+        )
         tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
         for m in methods:
             s = tallies[m.label].summary()

@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, machine, table, update_section, write_json  # noqa: E402
-
 from kvtc import assets  # noqa: E402
 from kvtc.calibration.artifact import Calibration  # noqa: E402
 from kvtc.integrations.hf_calibrate import DEFAULT_TOKENS, Recipe, calibrate_model, default_calibration  # noqa: E402
@@ -41,8 +40,15 @@ def main() -> None:
     if args.rerun:
         model, tok = assets.load_model("default")
         t0 = time.perf_counter()
-        cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), Recipe(tokens=args.tokens),
-                              model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=True)
+        cal = calibrate_model(
+            model,
+            tok,
+            assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR),
+            Recipe(tokens=args.tokens),
+            model_id=assets.DEFAULT_MODEL,
+            corpus={"name": "sotu-pre2000"},
+            progress=True,
+        )
         wall = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as tmp:
             cal.save(Path(tmp) / "calibration.safetensors")
@@ -55,8 +61,11 @@ def main() -> None:
     total, collect, pca, dp = (secs.get(k) for k in ("total", "collect", "pca", "dp"))
     sens = (cal.corpus.get("sensitivity") or {}).get("seconds")
     stages = [
-        *([{"stage": f"sensitivity: {cal.corpus['sensitivity'].get('windows')} forward + backward passes", "s": sens}]
-          if sens is not None else []),
+        *(
+            [{"stage": f"sensitivity: {cal.corpus['sensitivity'].get('windows')} forward + backward passes", "s": sens}]
+            if sens is not None
+            else []
+        ),
         {"stage": "collect: model forwards over the corpus", "s": collect},
         {"stage": "PCA: covariance accumulation + eigendecomposition", "s": pca - collect if pca and collect else pca},
         {"stage": f"DP bit allocation ({len(cal.ratios)} ratios x keys, values)", "s": dp},
@@ -76,24 +85,26 @@ def main() -> None:
         "sampling": cal.corpus.get("sampling", "first"),
     }
     write_json("calibration_cpu", result)
-    md = "\n".join([
-        "## Calibration on CPU: the embedded default (SmolLM2-135M-Instruct, pre-2000 State of the Union)",
-        "",
-        f"{result['tokens']:,} calibration tokens (windows of 1,024 "
-        f"{'drawn across the corpus' if result['sampling'] == 'spread' else 'from the first documents on'}, "
-        f"4 sinks excluded per window), global pre-RoPE "
-        f"PCA over 5,760 features, DP plans for ratios {', '.join(f'{r:g}' for r in cal.ratios)}; "
-        f"{source}. {result['machine']['cpu']}"
-        f"{f', {args.threads} threads' if args.rerun else ''}, {result['machine']['date']}.",
-        "",
-        table(stages, ["stage", "s"]),
-        "",
-        f"**Total {total:.0f} s ({total / 60:.1f} min)**, budget {BUDGET_S // 60} min: "
-        f"{'met' if result['within_budget'] else 'NOT met'}. Timings are wall-clock on a machine that may have been "
-        "shared with other jobs while the calibration ran.",
-        "",
-        f"`{result['command']}`",
-    ])
+    md = "\n".join(
+        [
+            "## Calibration on CPU: the embedded default (SmolLM2-135M-Instruct, pre-2000 State of the Union)",
+            "",
+            f"{result['tokens']:,} calibration tokens (windows of 1,024 "
+            f"{'drawn across the corpus' if result['sampling'] == 'spread' else 'from the first documents on'}, "
+            f"4 sinks excluded per window), global pre-RoPE "
+            f"PCA over 5,760 features, DP plans for ratios {', '.join(f'{r:g}' for r in cal.ratios)}; "
+            f"{source}. {result['machine']['cpu']}"
+            f"{f', {args.threads} threads' if args.rerun else ''}, {result['machine']['date']}.",
+            "",
+            table(stages, ["stage", "s"]),
+            "",
+            f"**Total {total:.0f} s ({total / 60:.1f} min)**, budget {BUDGET_S // 60} min: "
+            f"{'met' if result['within_budget'] else 'NOT met'}. Timings are wall-clock on a machine that may have been "
+            "shared with other jobs while the calibration ran.",
+            "",
+            f"`{result['command']}`",
+        ]
+    )
     update_section("calibration_cpu", md)
     print(md)
 

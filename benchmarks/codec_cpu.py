@@ -20,7 +20,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, machine, table, update_section, write_json  # noqa: E402
-
 from kvtc import KVLayout, KVSlice  # noqa: E402
 from kvtc.calibration import Recipe, fit_calibration  # noqa: E402
 from kvtc.calibration.dp import allocate, budget_for_ratio  # noqa: E402
@@ -65,14 +64,14 @@ def main() -> None:
     p = layout.num_features
     krows, vrows = synthetic_rows(p, 1024, 1), synthetic_rows(p, 1024, 2)
     t0 = time.perf_counter()
-    cal = fit_calibration(layout, [(krows(4096), vrows(4096)), (krows(4096), vrows(4096))],
-                          Recipe(ratios=(args.ratio,)))
+    cal = fit_calibration(
+        layout, [(krows(4096), vrows(4096)), (krows(4096), vrows(4096))], Recipe(ratios=(args.ratio,))
+    )
     fit_s = time.perf_counter() - t0
 
     n = args.tokens
     shape = (1, n, 30, 3, 64)
-    kv = KVSlice(layout, krows(n).reshape(shape).bfloat16(), vrows(n).reshape(shape).bfloat16(),
-                 torch.arange(n)[None])
+    kv = KVSlice(layout, krows(n).reshape(shape).bfloat16(), vrows(n).reshape(shape).bfloat16(), torch.arange(n)[None])
     mb = kv.nbytes() / 1e6
     codec = Codec(cal, ratio=args.ratio)
     codec.encode(kv)  # warm-up
@@ -124,11 +123,11 @@ def main() -> None:
     m = result["machine"]
     md = f"""### CPU codec throughput (SmolLM2 shape, synthetic calibration)
 
-`{result['command']}` — {m['date']}, {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads),
-Python {m['python']}, torch {m['torch']}, kvtc {m.get('kvtc')} ({m.get('commit', '')}).
+`{result["command"]}` — {m["date"]}, {m["cpu"]} ({m["cores"]} cores, {m["torch_threads"]} torch threads),
+Python {m["python"]}, torch {m["torch"]}, kvtc {m.get("kvtc")} ({m.get("commit", "")}).
 Slice: 1 x {n} tokens x 30 layers x 3 KV heads x 64, bf16 ({mb:.1f} MB of K+V); target {args.ratio:g}x:
-codec ratio {info['codec_ratio']:.1f}x after entropy coding ({info['codec_ratio_before_entropy']:.1f}x before),
-whole cache {info['whole_cache_ratio']:.1f}x; keys relative squared error {rel:.2e}.
+codec ratio {info["codec_ratio"]:.1f}x after entropy coding ({info["codec_ratio_before_entropy"]:.1f}x before),
+whole cache {info["whole_cache_ratio"]:.1f}x; keys relative squared error {rel:.2e}.
 
 | | seconds (median of {args.repeats}) | MB/s of bf16 KV |
 |---|---|---|
@@ -137,17 +136,17 @@ whole cache {info['whole_cache_ratio']:.1f}x; keys relative squared error {rel:.
 
 Encode stages (best run):
 
-{table(stage_rows(enc_stages, sum(enc_stages.values())), ['stage', 'seconds', 'share'])}
+{table(stage_rows(enc_stages, sum(enc_stages.values())), ["stage", "seconds", "share"])}
 
 Decode stages (best run):
 
-{table(stage_rows(dec_stages, sum(dec_stages.values())), ['stage', 'seconds', 'share'])}
+{table(stage_rows(dec_stages, sum(dec_stages.values())), ["stage", "seconds", "share"])}
 
-The projection is {flops / 1e9:.1f} GFLOP for both kinds (kept components: keys {kept['keys']}, values {kept['values']}).
+The projection is {flops / 1e9:.1f} GFLOP for both kinds (kept components: keys {kept["keys"]}, values {kept["values"]}).
 
 DP bit allocation run time (1,024 calibration rows, aligned groups {{1, 16, 64, 256, 1024}} x {{int2, int4, fp8}}, 16x):
 
-{table(dp_rows, ['p', 'components', 'ratio', 'seconds'])}
+{table(dp_rows, ["p", "components", "ratio", "seconds"])}
 """
     update_section("codec_cpu", md)
     print(md)

@@ -23,9 +23,9 @@ import argparse
 import sys
 import time
 
-import _report
 import torch
 
+import _report
 from kvtc import assets
 from kvtc.calibration import Calibration
 from kvtc.calibration.artifact import ratio_key
@@ -56,8 +56,13 @@ def decompose(cal: Calibration, ratio: float, kind: str, x: torch.Tensor, xhat: 
         if qtype == DROP:
             dropped += float(coeffs[:, start : start + size].square().sum())
     total = float((x.double() - xhat.double()).square().sum())
-    return {"energy": energy, "outside": max(outside, 0.0), "dropped": dropped,
-            "quantization": max(total - max(outside, 0.0) - dropped, 0.0), "total": total}
+    return {
+        "energy": energy,
+        "outside": max(outside, 0.0),
+        "dropped": dropped,
+        "quantization": max(total - max(outside, 0.0) - dropped, 0.0),
+        "total": total,
+    }
 
 
 def heldout_wikipedia(tok, windows: torch.Tensor) -> list[str]:
@@ -95,8 +100,15 @@ def main(argv: list[str]) -> int:
             cals["Wikipedia (held out)"] = Calibration.load(wpath)
         else:
             docs = heldout_wikipedia(tok, scored)
-            cal = calibrate_model(model, tok, docs, Recipe(tokens=args.wiki_tokens), model_id="smollm2",
-                                  corpus={"name": "wikipedia-heldout", "documents": len(docs)}, progress=False)
+            cal = calibrate_model(
+                model,
+                tok,
+                docs,
+                Recipe(tokens=args.wiki_tokens),
+                model_id="smollm2",
+                corpus={"name": "wikipedia-heldout", "documents": len(docs)},
+                progress=False,
+            )
             wpath.parent.mkdir(parents=True, exist_ok=True)
             cal.save(wpath)
             cals["Wikipedia (held out)"] = cal
@@ -122,14 +134,30 @@ def main(argv: list[str]) -> int:
     for (cname, text, r, kind), s in sums.items():
         e = s["energy"]
         pred = cals[cname].stats.get("predicted_relative_error", {}).get(ratio_key(r), {}).get(kind, [None])[0]
-        rows.append({"calibration": cname, "text": text, "ratio": r, "kind": kind,
-                     "outside_basis": s["outside"] / e, "dropped": s["dropped"] / e,
-                     "quantization": s["quantization"] / e, "total": s["total"] / e,
-                     "predicted_total": pred,
-                     "structural_share": (s["outside"] + s["dropped"]) / max(s["total"], 1e-30)})
-    result = {"command": _report.command(), "machine": _report.machine(), "calibration": path.name,
-              "calibrations": {k: {"fingerprint": c.fingerprint, "corpus": c.corpus} for k, c in cals.items()},
-              "windows": args.windows, "texts": TEXTS, "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
+        rows.append(
+            {
+                "calibration": cname,
+                "text": text,
+                "ratio": r,
+                "kind": kind,
+                "outside_basis": s["outside"] / e,
+                "dropped": s["dropped"] / e,
+                "quantization": s["quantization"] / e,
+                "total": s["total"] / e,
+                "predicted_total": pred,
+                "structural_share": (s["outside"] + s["dropped"]) / max(s["total"], 1e-30),
+            }
+        )
+    result = {
+        "command": _report.command(),
+        "machine": _report.machine(),
+        "calibration": path.name,
+        "calibrations": {k: {"fingerprint": c.fingerprint, "corpus": c.corpus} for k, c in cals.items()},
+        "windows": args.windows,
+        "texts": TEXTS,
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     _report.publish("error_sources", result, markdown(result))
     return 0
 
@@ -140,7 +168,7 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}` — {result['machine']['date']}, {result['windows']} windows of 2,048 tokens per text "
         f"(the middle tokens: sinks 4 and the last 128 stay raw). Squared error of the coded tokens as a share of their "
-        f"centred energy ‖x − µ‖², split into its orthogonal parts; \"predicted\" is the calibration's own estimate "
+        f'centred energy ‖x − µ‖², split into its orthogonal parts; "predicted" is the calibration\'s own estimate '
         f"on its DP rows. Calibrations: the default (100K tokens of speeches before 2000) and, for comparison, one of "
         f"the same size on Wikipedia documents that hold none of the windows `kvtc eval` scores.",
         "",
@@ -152,10 +180,12 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         if r["ratio"] not in SHOWN:
             continue
-        lines.append(f"| {r['calibration']} | {TEXTS.get(r['text'], r['text'])} | {r['ratio']:g}× | {r['kind']} | "
-                     f"{pct(r['outside_basis'])} | "
-                     f"{pct(r['dropped'])} | {pct(r['quantization'])} | {pct(r['total'])} | "
-                     f"{pct(r['predicted_total'])} | {100 * r['structural_share']:.0f}% of total |")
+        lines.append(
+            f"| {r['calibration']} | {TEXTS.get(r['text'], r['text'])} | {r['ratio']:g}× | {r['kind']} | "
+            f"{pct(r['outside_basis'])} | "
+            f"{pct(r['dropped'])} | {pct(r['quantization'])} | {pct(r['total'])} | "
+            f"{pct(r['predicted_total'])} | {100 * r['structural_share']:.0f}% of total |"
+        )
     lines += ["", "All ratios: `benchmarks/results/error_sources.json`."]
     return "\n".join(lines)
 

@@ -11,7 +11,6 @@ import json
 import sys
 
 import _report
-
 from kvtc.eval import report
 from kvtc.eval.cli import config_from_args, register
 from kvtc.eval.suite import acceptance, run
@@ -31,8 +30,10 @@ def main(argv: list[str]) -> int:
         result["command"] = _report.command()
     paths = report.write(result, _report.RESULTS, stem="eval_smollm2")
     md = report.markdown(result)
-    head = (f"### Quality vs bytes on SmolLM2-135M (`kvtc eval`)\n\n`{result['command']}` — "
-            f"{_report.machine()['date']}.\n\n![quality vs bytes](benchmarks/results/eval_smollm2.png)\n\n")
+    head = (
+        f"### Quality vs bytes on SmolLM2-135M (`kvtc eval`)\n\n`{result['command']}` — "
+        f"{_report.machine()['date']}.\n\n![quality vs bytes](benchmarks/results/eval_smollm2.png)\n\n"
+    )
     _report.update_section("eval_smollm2", head + md)
     print(md)
     for kind, path in paths.items():

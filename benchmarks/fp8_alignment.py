@@ -51,10 +51,24 @@ def main(argv: list[str]) -> int:
         b16 = torch.randn(k, p, device=dev, dtype=torch.bfloat16)
         t16 = timed(lambda: a16 @ b16)
         flop = 2 * n * k * p
-        rows.append({"k": k, "k_mod_128": k % 128, "fp8_ms": t8 * 1e3, "fp8_TFLOPs": flop / t8 / 1e12,
-                     "bf16_ms": t16 * 1e3, "bf16_TFLOPs": flop / t16 / 1e12})
+        rows.append(
+            {
+                "k": k,
+                "k_mod_128": k % 128,
+                "fp8_ms": t8 * 1e3,
+                "fp8_TFLOPs": flop / t8 / 1e12,
+                "bf16_ms": t16 * 1e3,
+                "bf16_TFLOPs": flop / t16 / 1e12,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": n, "features": p, "runs": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": n,
+        "features": p,
+        "runs": rows,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -42,14 +41,28 @@ from kvtc.codec import huffman as H  # noqa: E402
 from kvtc.codec.entropy import device_coder  # noqa: E402
 from kvtc.kernels import triton_huffman as K  # noqa: E402
 
-ENCODE_SWEEP = [dict(lanes=32, warps=1, vec=8, prefetch=0), dict(lanes=32, warps=1, vec=8, prefetch=1),
-                dict(lanes=64, warps=2, vec=8, prefetch=1), dict(lanes=64, warps=2, vec=4, prefetch=1),
-                dict(lanes=128, warps=4, vec=8, prefetch=1), dict(lanes=128, warps=2, vec=8, prefetch=1)]
-DECODE_SWEEP = [dict(lanes=32, warps=1, vec=8, prefetch=0), dict(lanes=32, warps=1, vec=8, prefetch=1),
-                dict(lanes=64, warps=2, vec=8, prefetch=1), dict(lanes=128, warps=4, vec=8, prefetch=0),
-                dict(lanes=128, warps=4, vec=8, prefetch=1), dict(lanes=128, warps=2, vec=8, prefetch=1)]
-HIST_SWEEP = [dict(kind="histogram", warps=2), dict(kind="histogram", warps=4), dict(kind="histogram", warps=8),
-              dict(kind="onehot", warps=4)]
+ENCODE_SWEEP = [
+    dict(lanes=32, warps=1, vec=8, prefetch=0),
+    dict(lanes=32, warps=1, vec=8, prefetch=1),
+    dict(lanes=64, warps=2, vec=8, prefetch=1),
+    dict(lanes=64, warps=2, vec=4, prefetch=1),
+    dict(lanes=128, warps=4, vec=8, prefetch=1),
+    dict(lanes=128, warps=2, vec=8, prefetch=1),
+]
+DECODE_SWEEP = [
+    dict(lanes=32, warps=1, vec=8, prefetch=0),
+    dict(lanes=32, warps=1, vec=8, prefetch=1),
+    dict(lanes=64, warps=2, vec=8, prefetch=1),
+    dict(lanes=128, warps=4, vec=8, prefetch=0),
+    dict(lanes=128, warps=4, vec=8, prefetch=1),
+    dict(lanes=128, warps=2, vec=8, prefetch=1),
+]
+HIST_SWEEP = [
+    dict(kind="histogram", warps=2),
+    dict(kind="histogram", warps=4),
+    dict(kind="histogram", warps=8),
+    dict(kind="onehot", warps=4),
+]
 KEYS = ("lanes", "warps", "vec", "prefetch")
 
 
@@ -131,6 +144,7 @@ def main() -> None:
     def dump() -> None:  # after every phase: a run cut short keeps what it measured
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
+
     import triton
 
     res["triton"] = triton.__version__
@@ -180,8 +194,14 @@ def main() -> None:
 
     # sweep the encode kernel's launch settings
     enc = coder.encode_device(streams)
-    res["encode_sweep"] = sweep("encode", ENCODE_SWEEP, K.ENCODE_CFG, lambda: coder.encode_device(streams), total,
-                                lambda: {"breakdown": dict(coder.last)})
+    res["encode_sweep"] = sweep(
+        "encode",
+        ENCODE_SWEEP,
+        K.ENCODE_CFG,
+        lambda: coder.encode_device(streams),
+        total,
+        lambda: {"breakdown": dict(coder.last)},
+    )
     res["encode_cfg"] = dict(K.ENCODE_CFG)
 
     # final encode numbers with the best setting
@@ -218,8 +238,11 @@ def main() -> None:
     coded_bytes = sum(H.HEAD + 2 * (b - a) + 4 * int(enc["words"][a:b].sum()) for a, b in enc["spans"])
     res["coded_bytes"] = coded_bytes
     res["ratio"] = total / coded_bytes
-    log("encode", f"{res['encode_gbps']:.1f} GB/s, kernel {res['encode_kernel_gbps']:.1f} GB/s, "
-        f"padded stride {res['encode_kernel_padded_stride_gbps']}, ratio {res['ratio']:.4f}")
+    log(
+        "encode",
+        f"{res['encode_gbps']:.1f} GB/s, kernel {res['encode_kernel_gbps']:.1f} GB/s, "
+        f"padded stride {res['encode_kernel_padded_stride_gbps']}, ratio {res['ratio']:.4f}",
+    )
     dump()
 
     # full compress (D2H + framing)
@@ -241,11 +264,16 @@ def main() -> None:
     res["decode_exact"] = all(torch.equal(a, b) for a, b in zip(dec, streams))
     outbuf = torch.empty(st["out_bytes"], dtype=torch.uint8, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    t_dk = event_time(lambda: K.decode(st["words"], st["blk_wo"], st["blk_nw"], st["blk_n"], st["blk_tab"],
-                                       st["blk_out"], st["tab"], outbuf, err))
+    t_dk = event_time(
+        lambda: K.decode(
+            st["words"], st["blk_wo"], st["blk_nw"], st["blk_n"], st["blk_tab"], st["blk_out"], st["tab"], outbuf, err
+        )
+    )
     res["decode_kernel_gbps"] = total / t_dk / 1e9
-    log("decode", f"{res['decode_gbps']:.1f} GB/s, kernel {res['decode_kernel_gbps']:.1f} GB/s, "
-        f"exact {res['decode_exact']}")
+    log(
+        "decode",
+        f"{res['decode_gbps']:.1f} GB/s, kernel {res['decode_kernel_gbps']:.1f} GB/s, exact {res['decode_exact']}",
+    )
     t_d = median_time(lambda: coder.decompress(blobs, sizes), reps=3)
     res["decompress_e2e_gbps"] = total / t_d / 1e9
     res["decompress_breakdown_ms"] = {k: v * 1e3 for k, v in coder.last.items()}
@@ -269,11 +297,16 @@ def main() -> None:
         t0 = time.perf_counter()
         zs = [zc.compress(h) for h in host]
         t_z = time.perf_counter() - t0
-        res["sample"] = {"raw_bytes": raw, "huff4k_bytes": sum(map(len, ours)), "zstd3_bytes": sum(map(len, zs)),
-                         "huff4k_ratio": raw / sum(map(len, ours)), "zstd3_ratio": raw / sum(map(len, zs)),
-                         "huff4k_over_zstd3_size": sum(map(len, ours)) / sum(map(len, zs)),
-                         "zstd3_cpu_mbps_1thread": raw / t_z / 1e6,
-                         "per_stream_huff4k_over_zstd3": [len(a) / len(b) for a, b in zip(ours, zs)]}
+        res["sample"] = {
+            "raw_bytes": raw,
+            "huff4k_bytes": sum(map(len, ours)),
+            "zstd3_bytes": sum(map(len, zs)),
+            "huff4k_ratio": raw / sum(map(len, ours)),
+            "zstd3_ratio": raw / sum(map(len, zs)),
+            "huff4k_over_zstd3_size": sum(map(len, ours)) / sum(map(len, zs)),
+            "zstd3_cpu_mbps_1thread": raw / t_z / 1e6,
+            "per_stream_huff4k_over_zstd3": [len(a) / len(b) for a, b in zip(ours, zs)],
+        }
     log("sample", res["sample"])
     dump()
 
@@ -285,9 +318,13 @@ def main() -> None:
     cpu_dec = H.cpu_decompress(cpu_enc, len(cpu_in))
     t2 = time.perf_counter()
     gpu_enc = coder.compress([torch.frombuffer(bytearray(cpu_in), dtype=torch.uint8).cuda()])[0]
-    res["cpu_twin"] = {"bytes": len(cpu_in), "encode_mbps": len(cpu_in) / (t1 - t0) / 1e6,
-                       "decode_mbps": len(cpu_in) / (t2 - t1) / 1e6, "round_trip_exact": cpu_dec == cpu_in,
-                       "gpu_bytes_identical": gpu_enc == cpu_enc}
+    res["cpu_twin"] = {
+        "bytes": len(cpu_in),
+        "encode_mbps": len(cpu_in) / (t1 - t0) / 1e6,
+        "decode_mbps": len(cpu_in) / (t2 - t1) / 1e6,
+        "round_trip_exact": cpu_dec == cpu_in,
+        "gpu_bytes_identical": gpu_enc == cpu_enc,
+    }
     log("cpu twin", res["cpu_twin"])
 
     dump()

@@ -18,7 +18,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, machine, table, update_section, write_json  # noqa: E402
-
 from kvtc import assets  # noqa: E402
 from kvtc.calibration import Calibration  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
@@ -57,31 +56,46 @@ def main() -> None:
                 planes = total = mid = 0.0
                 for kv in slices:
                     info = Codec.inspect(codec.encode(kv))
-                    planes += sum(s["coded"] for s in info["sections"] if s["name"].split(".")[-1] in ("int2", "int4", "fp8"))
+                    planes += sum(
+                        s["coded"] for s in info["sections"] if s["name"].split(".")[-1] in ("int2", "int4", "fp8")
+                    )
                     total += info["bytes_per_middle_token"] * info["middle_tokens"]
                     mid += info["middle_tokens"]
                 orig = 2 * cal.layout.num_features * 2
-                rows.append({"ratio": ratio, "coder": backend, "packing": packing,
-                             "plane_bytes": int(planes), "codec_ratio": orig * mid / total})
+                rows.append(
+                    {
+                        "ratio": ratio,
+                        "coder": backend,
+                        "packing": packing,
+                        "plane_bytes": int(planes),
+                        "codec_ratio": orig * mid / total,
+                    }
+                )
     best = {}
     for r in rows:
         key = (r["ratio"], r["coder"])
         if key not in best or r["plane_bytes"] < best[key]["plane_bytes"]:
             best[key] = r
-    result = {"machine": machine(), "command": command(), "calibration": cal.hash, "rows": rows,
-              "windows": args.windows, "tokens": args.tokens}
+    result = {
+        "machine": machine(),
+        "command": command(),
+        "calibration": cal.hash,
+        "rows": rows,
+        "windows": args.windows,
+        "tokens": args.tokens,
+    }
     write_json("packing", result)
     m = result["machine"]
-    winners = sorted({(r['coder'], r['packing']) for r in best.values()})
+    winners = sorted({(r["coder"], r["packing"]) for r in best.values()})
     md = f"""### Symbol packing before entropy coding (real SmolLM2 KV)
 
-`{result['command']}` — {m['date']}, kvtc {m.get('kvtc')} ({m.get('commit', '')}). {args.windows} held-out Wikipedia
+`{result["command"]}` — {m["date"]}, kvtc {m.get("kvtc")} ({m.get("commit", "")}). {args.windows} held-out Wikipedia
 contexts of {args.tokens} tokens, calibration `{cal.fingerprint}`. `plane_bytes`: coded bytes of the symbol planes
 (all contexts); `codec_ratio`: middle tokens, every header and side-information byte counted.
 
-{table(rows, ['ratio', 'coder', 'packing', 'plane_bytes', 'codec_ratio'])}
+{table(rows, ["ratio", "coder", "packing", "plane_bytes", "codec_ratio"])}
 
-Smaller planes per (ratio, coder): {', '.join(f'{c}: {p}' for c, p in winners)}.
+Smaller planes per (ratio, coder): {", ".join(f"{c}: {p}" for c, p in winners)}.
 """
     update_section("packing", md)
     print(md)

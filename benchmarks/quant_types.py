@@ -17,9 +17,9 @@ import json
 import sys
 import time
 
-import _report
 import torch
 
+import _report
 from kvtc import assets
 from kvtc.calibration import Calibration
 from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES, allocate
@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
     cals: dict[str, Calibration] = {}
     predicted = []
     for name, (_, types) in VARIANTS.items():
+
         def alloc(coeffs: torch.Tensor, budget: float, types: tuple[int, ...] = types):
             return allocate(coeffs, budget, types=types)
 
@@ -75,12 +76,28 @@ def main(argv: list[str]) -> int:
         for kind in ("keys", "values"):
             r[f"{kind}_error_vs_paper"] = r[f"{kind}_error"] / base[r["target"]][f"{kind}_error"]
     methods = [KVTC(cals[n], r, name=n, label=f"{n} {r:g}x") for n in VARIANTS for r in args.ratios] + [KIVI(4)]
-    out_rows = [{"text": text, "types": m.name if isinstance(m, KVTC) else None, "method": m.label,
-                 "target": m.ratio if isinstance(m, KVTC) else None, **figures}
-                for text, m, figures in _report.roundtrip_rows(model, tok, methods, list(TEXTS), args.windows)]
-    result = {"name": "quant_types", "command": _report.command(), "machine": _report.machine(),
-              "calibration": cal.fingerprint, "tokens": args.tokens, "dp_rows": args.dp_rows, "windows": args.windows,
-              "predicted": predicted, "rows": out_rows, "seconds": round(time.perf_counter() - t0, 1)}
+    out_rows = [
+        {
+            "text": text,
+            "types": m.name if isinstance(m, KVTC) else None,
+            "method": m.label,
+            "target": m.ratio if isinstance(m, KVTC) else None,
+            **figures,
+        }
+        for text, m, figures in _report.roundtrip_rows(model, tok, methods, list(TEXTS), args.windows)
+    ]
+    result = {
+        "name": "quant_types",
+        "command": _report.command(),
+        "machine": _report.machine(),
+        "calibration": cal.fingerprint,
+        "tokens": args.tokens,
+        "dp_rows": args.dp_rows,
+        "windows": args.windows,
+        "predicted": predicted,
+        "rows": out_rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     _report.publish("quant_types", result, markdown(result))
     return 0
 
@@ -98,8 +115,10 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     for r in result["predicted"]:
-        lines.append(f"| {VARIANTS[r['types']][0]} | {r['target']:g}× | ×{r['keys_error_vs_paper']:.3f} | "
-                     f"×{r['values_error_vs_paper']:.3f} |")
+        lines.append(
+            f"| {VARIANTS[r['types']][0]} | {r['target']:g}× | ×{r['keys_error_vs_paper']:.3f} | "
+            f"×{r['values_error_vs_paper']:.3f} |"
+        )
     lines += [
         "",
         f"Storage round trip on {result['windows']} windows of 2,048 + 256 tokens of each held-out text (the "
@@ -110,8 +129,10 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         name = f"{VARIANTS[r['types']][0]} {r['target']:g}×" if r.get("types") else r["method"]
-        lines.append(f"| {TEXTS[r['text']]} | {name} | {r['ratio']:.2f}× | {r['delta_ppl_pct']:+.3f}% | "
-                     f"{r['kl']:.5f} | {r['top1_agreement']:.3f} | {r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |")
+        lines.append(
+            f"| {TEXTS[r['text']]} | {name} | {r['ratio']:.2f}× | {r['delta_ppl_pct']:+.3f}% | "
+            f"{r['kl']:.5f} | {r['top1_agreement']:.3f} | {r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |"
+        )
     lines += ["", "Result: `benchmarks/results/quant_types.json`."]
     return "\n".join(lines)
 

@@ -20,9 +20,9 @@ import json
 import sys
 import time
 
-import _report
 import torch
 
+import _report
 from kvtc import assets
 from kvtc.calibration import Recipe, fit_calibration, sensitivity_scales
 from kvtc.calibration.fit import DEFAULT_SENSITIVITY_FLOOR
@@ -62,26 +62,39 @@ def main(argv: list[str]) -> int:
     model, tok = assets.load_model("default")
     layout, rope = describe_model(model)
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
-    fishers = {lab: measure_sensitivity(model, tok, texts, windows=args.sensitivity_windows, progress=False, labels=lab)
-               for lab in {VARIANTS[v][2] for v in args.variants if VARIANTS[v][2]}}
+    fishers = {
+        lab: measure_sensitivity(model, tok, texts, windows=args.sensitivity_windows, progress=False, labels=lab)
+        for lab in {VARIANTS[v][2] for v in args.variants if VARIANTS[v][2]}
+    }
     rows = list(collect_rows(model, tok, texts, args.tokens, progress=False))
     methods = []
     for name in args.variants:
         _, resolution, labels, norm = VARIANTS[name]
         recipe, scales = Recipe(ratios=args.ratios), None
         if resolution:
-            scales = sensitivity_scales(fishers[labels], resolution, DEFAULT_SENSITIVITY_FLOOR, layout.head_dim,
-                                        normalize=norm)
+            scales = sensitivity_scales(
+                fishers[labels], resolution, DEFAULT_SENSITIVITY_FLOOR, layout.head_dim, normalize=norm
+            )
             if norm == "joint":
                 recipe = recipe.replace(split_errors="weighted", value_weight=1.0)
         cal = fit_calibration(layout, rows, recipe, feature_scale=scales, rope=rope.to_dict())
         methods += [KVTC(cal, r, name=name, label=f"{name} {r:g}x") for r in args.ratios]
     del rows
-    out_rows = [{"text": text, "weighting": m.name, "target": m.ratio, **figures}
-                for text, m, figures in _report.roundtrip_rows(model, tok, methods, list(TEXTS), args.windows)]
-    result = {"name": args.name, "command": _report.command(), "machine": _report.machine(), "tokens": args.tokens,
-              "sensitivity_windows": args.sensitivity_windows, "windows": args.windows,
-              "floor": DEFAULT_SENSITIVITY_FLOOR, "rows": out_rows, "seconds": round(time.perf_counter() - t0, 1)}
+    out_rows = [
+        {"text": text, "weighting": m.name, "target": m.ratio, **figures}
+        for text, m, figures in _report.roundtrip_rows(model, tok, methods, list(TEXTS), args.windows)
+    ]
+    result = {
+        "name": args.name,
+        "command": _report.command(),
+        "machine": _report.machine(),
+        "tokens": args.tokens,
+        "sensitivity_windows": args.sensitivity_windows,
+        "windows": args.windows,
+        "floor": DEFAULT_SENSITIVITY_FLOOR,
+        "rows": out_rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     _report.publish(args.name, result, markdown(result))
     return 0
 
@@ -102,8 +115,10 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {TEXTS[r['text']]} | {VARIANTS[r['weighting']][0]} | {r['target']:g}× | {r['ratio']:.2f}× | {r['delta_ppl_pct']:+.2f}% | "
-                     f"{r['kl']:.5f} | {r['top1_agreement']:.3f} | {r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |")
+        lines.append(
+            f"| {TEXTS[r['text']]} | {VARIANTS[r['weighting']][0]} | {r['target']:g}× | {r['ratio']:.2f}× | {r['delta_ppl_pct']:+.2f}% | "
+            f"{r['kl']:.5f} | {r['top1_agreement']:.3f} | {r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |"
+        )
     lines += ["", f"Result: `benchmarks/results/{result.get('name', 'sensitivity')}.json`."]
     return "\n".join(lines)
 

@@ -102,8 +102,15 @@ def worker(url: str, namespace: str, writer: int, cfg: dict[str, Any], start_at:
     rng = random.Random(cfg["seed"] * 1000 + writer)
     pool = rng.randbytes(cfg["max_value"] * 2)
     store = open_store(url, namespace)
-    counts = {"puts": 0, "put_failures": 0, "gets": 0, "hits": 0, "corrupt_reads": 0,
-              "bytes_written": 0, "bytes_read": 0}
+    counts = {
+        "puts": 0,
+        "put_failures": 0,
+        "gets": 0,
+        "hits": 0,
+        "corrupt_reads": 0,
+        "bytes_written": 0,
+        "bytes_read": 0,
+    }
     put_lat: list[float] = []
     get_lat: list[float] = []
     trace: list[tuple[float, int, bool, bool]] | None = [] if cfg.get("trace") else None
@@ -146,8 +153,17 @@ def worker(url: str, namespace: str, writer: int, cfg: dict[str, Any], start_at:
     elapsed = time.perf_counter() - t0
     stats = store.stats()
     store.close()
-    out.put({"writer": writer, "elapsed": elapsed, "counts": counts, "store_stats": stats,
-             "put_latency": put_lat, "get_latency": get_lat, "trace": trace})
+    out.put(
+        {
+            "writer": writer,
+            "elapsed": elapsed,
+            "counts": counts,
+            "store_stats": stats,
+            "put_latency": put_lat,
+            "get_latency": get_lat,
+            "trace": trace,
+        }
+    )
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -219,11 +235,23 @@ def summarize(kind: str, cfg: dict[str, Any], reports: list[dict[str, Any]]) -> 
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
-    cols = [("store", "store"), ("procs", "procs"), ("seconds", "s"), ("ops_per_s", "ops/s"),
-            ("puts_per_s", "puts/s"), ("gets_per_s", "gets/s"), ("write_MB_per_s", "write MB/s"),
-            ("read_MB_per_s", "read MB/s"), ("hit_rate", "hit rate"), ("put_p50_ms", "put p50 ms"),
-            ("put_p99_ms", "put p99 ms"), ("get_p50_ms", "get p50 ms"), ("get_p99_ms", "get p99 ms"),
-            ("corrupt_reads", "corrupt reads"), ("store_evictions", "evictions")]
+    cols = [
+        ("store", "store"),
+        ("procs", "procs"),
+        ("seconds", "s"),
+        ("ops_per_s", "ops/s"),
+        ("puts_per_s", "puts/s"),
+        ("gets_per_s", "gets/s"),
+        ("write_MB_per_s", "write MB/s"),
+        ("read_MB_per_s", "read MB/s"),
+        ("hit_rate", "hit rate"),
+        ("put_p50_ms", "put p50 ms"),
+        ("put_p99_ms", "put p99 ms"),
+        ("get_p50_ms", "get p50 ms"),
+        ("get_p99_ms", "get p99 ms"),
+        ("corrupt_reads", "corrupt reads"),
+        ("store_evictions", "evictions"),
+    ]
     lines = ["| " + " | ".join(title for _, title in cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         lines.append("| " + " | ".join(str(r[key]) for key, _ in cols) + " |")
@@ -243,9 +271,12 @@ def _server_version(kind: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stores", default="file,redis,redis-cluster",
-                    help="comma-separated list of file, redis, redis-cluster, valkey, valkey-cluster "
-                         "(memory:// is per process, so not benchmarked)")
+    ap.add_argument(
+        "--stores",
+        default="file,redis,redis-cluster",
+        help="comma-separated list of file, redis, redis-cluster, valkey, valkey-cluster "
+        "(memory:// is per process, so not benchmarked)",
+    )
     ap.add_argument("--procs", type=int, default=DEFAULT_PROCS)
     ap.add_argument("--seconds", type=float, default=DEFAULT_SECONDS)
     ap.add_argument("--keys", type=int, default=DEFAULT_KEYS)
@@ -261,9 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     results = benchmark(
-        stores=args.stores.split(","), procs=args.procs, seconds=args.seconds, keys=args.keys,
-        min_value=args.min_value, max_value=args.max_value, write_fraction=args.write_fraction,
-        file_budget=args.file_budget, file_root=args.file_root, redis_url=args.redis_url, seed=args.seed,
+        stores=args.stores.split(","),
+        procs=args.procs,
+        seconds=args.seconds,
+        keys=args.keys,
+        min_value=args.min_value,
+        max_value=args.max_value,
+        write_fraction=args.write_fraction,
+        file_budget=args.file_budget,
+        file_root=args.file_root,
+        redis_url=args.redis_url,
+        seed=args.seed,
         masters=args.masters,
     )
     import redis
@@ -285,9 +324,15 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
         "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
-        "workload": {"procs": args.procs, "cluster_masters": args.masters, "seconds": args.seconds, "keys": args.keys,
-                     "value_bytes": [args.min_value, args.max_value], "write_fraction": args.write_fraction,
-                     "file_budget_bytes": args.file_budget},
+        "workload": {
+            "procs": args.procs,
+            "cluster_masters": args.masters,
+            "seconds": args.seconds,
+            "keys": args.keys,
+            "value_bytes": [args.min_value, args.max_value],
+            "write_fraction": args.write_fraction,
+            "file_budget_bytes": args.file_budget,
+        },
         "results": results,
     }
     out = Path(args.out)
@@ -303,12 +348,18 @@ def main(argv: list[str] | None = None) -> int:
 def markdown_report(report: dict[str, Any]) -> str:
     """The BENCHMARKS.md section for one run."""
     w = report["workload"]
-    servers = ", ".join(f"{name} {report[key]}" for name, key in (("redis-server", "redis_server"),
-                                                                    ("valkey-server", "valkey_server")) if report[key])
+    servers = ", ".join(
+        f"{name} {report[key]}"
+        for name, key in (("redis-server", "redis_server"), ("valkey-server", "valkey_server"))
+        if report[key]
+    )
     load = report["load_avg_1_5_15_before"][0], report["load_avg_1_5_15_after"][0]
     m = w.get("cluster_masters", 3)
-    budget = (f", file budget {w['file_budget_bytes'] >> 20} MiB (below the working set, so eviction runs throughout)"
-              if any(r["store"] == "file" for r in report["results"]) else "")
+    budget = (
+        f", file budget {w['file_budget_bytes'] >> 20} MiB (below the working set, so eviction runs throughout)"
+        if any(r["store"] == "file" for r in report["results"])
+        else ""
+    )
     return f"""### Store concurrency: file, one server, {m}-master cluster (issues 5 and 19)
 
 `{report["command"]}` — {report["date"]}, {report["cpu"]} ({report["cpus"]} cores), Python {report["python"]},
@@ -342,8 +393,16 @@ def benchmark(
     masters: int = 3,
 ) -> list[dict[str, Any]]:
     """Run the workload on each store in turn; returns one result dict per store."""
-    cfg = {"procs": procs, "seconds": seconds, "keys": keys, "min_value": min_value, "max_value": max_value,
-           "write_fraction": write_fraction, "seed": seed, "warmup": warmup}
+    cfg = {
+        "procs": procs,
+        "seconds": seconds,
+        "keys": keys,
+        "min_value": min_value,
+        "max_value": max_value,
+        "write_fraction": write_fraction,
+        "seed": seed,
+        "warmup": warmup,
+    }
     namespace = "bench-model:bench-calibration"
     results = []
     for kind in stores:

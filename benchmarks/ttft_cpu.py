@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import command, machine, table, update_section, write_json  # noqa: E402
-
 from kvtc import assets  # noqa: E402
 from kvtc.calibration.artifact import Calibration  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
@@ -102,31 +101,42 @@ def main() -> None:
     }
     write_json("ttft_cpu", result)
     stage_txt = ", ".join(f"{k} {v:.2f} s" for k, v in result["restore_stages_s"].items())
-    md = "\n".join([
-        "## Time to first token on CPU: restore a compressed cache vs recompute the prefix",
-        "",
-        f"SmolLM2-135M-Instruct (fp32 weights, bf16 KV storage), {args.context}-token held-out context, "
-        f"{args.ratio:g}x target (calibration of {cal.stats.get('samples', '?')} tokens), {args.threads} threads, "
-        f"median of {args.repeats} alternating runs. "
-        f"{result['machine']['cpu']}, {result['machine']['date']}.",
-        "",
-        table([
-            {"path": "restore (read file, decode, rebuild cache, first token)", "median s": med_restore,
-             "runs s": ", ".join(f"{x:.2f}" for x in restore)},
-            {"path": "recompute (prefill context + first token)", "median s": med_recompute,
-             "runs s": ", ".join(f"{x:.2f}" for x in recompute)},
-        ], ["path", "median s", "runs s"]),
-        "",
-        f"**Speed-up {result['speedup']:.1f}x.** Restore stages (fastest run): {stage_txt}. "
-        f"First-token argmax equal to the recomputed one: {same_top1}.",
-        "",
-        f"Sizes at {args.ratio:g}x: bf16 KV {info['original_bytes'] / 1e6:.2f} MB -> blob {len(blob) / 1e6:.2f} MB; "
-        f"codec ratio {info['codec_ratio']:.2f}x over the {info['middle_tokens']} coded tokens (all headers counted), "
-        f"whole-cache ratio {info['whole_cache_ratio']:.2f}x (4 sinks + 128-token window stored bf16). "
-        f"Encode {encode_s:.2f} s.",
-        "",
-        f"`{result['command']}`",
-    ])
+    md = "\n".join(
+        [
+            "## Time to first token on CPU: restore a compressed cache vs recompute the prefix",
+            "",
+            f"SmolLM2-135M-Instruct (fp32 weights, bf16 KV storage), {args.context}-token held-out context, "
+            f"{args.ratio:g}x target (calibration of {cal.stats.get('samples', '?')} tokens), {args.threads} threads, "
+            f"median of {args.repeats} alternating runs. "
+            f"{result['machine']['cpu']}, {result['machine']['date']}.",
+            "",
+            table(
+                [
+                    {
+                        "path": "restore (read file, decode, rebuild cache, first token)",
+                        "median s": med_restore,
+                        "runs s": ", ".join(f"{x:.2f}" for x in restore),
+                    },
+                    {
+                        "path": "recompute (prefill context + first token)",
+                        "median s": med_recompute,
+                        "runs s": ", ".join(f"{x:.2f}" for x in recompute),
+                    },
+                ],
+                ["path", "median s", "runs s"],
+            ),
+            "",
+            f"**Speed-up {result['speedup']:.1f}x.** Restore stages (fastest run): {stage_txt}. "
+            f"First-token argmax equal to the recomputed one: {same_top1}.",
+            "",
+            f"Sizes at {args.ratio:g}x: bf16 KV {info['original_bytes'] / 1e6:.2f} MB -> blob {len(blob) / 1e6:.2f} MB; "
+            f"codec ratio {info['codec_ratio']:.2f}x over the {info['middle_tokens']} coded tokens (all headers counted), "
+            f"whole-cache ratio {info['whole_cache_ratio']:.2f}x (4 sinks + 128-token window stored bf16). "
+            f"Encode {encode_s:.2f} s.",
+            "",
+            f"`{result['command']}`",
+        ]
+    )
     update_section("ttft_cpu", md)
     print(md)
 

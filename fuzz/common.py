@@ -18,9 +18,10 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _HWM = re.compile(rb"VmHWM:\s+(\d+) kB")
 _CLEAR_REFS_OK: list[bool] = []
@@ -98,8 +99,16 @@ class Tally:
     extra: dict[str, Any] = field(default_factory=dict)
     t0: float = field(default_factory=time.perf_counter)
 
-    def add(self, part: str, mutator: str, outcome: str, seconds: float, what: str,
-            violation: tuple[str, str] | None = None, rss_growth: int | None = None) -> None:
+    def add(
+        self,
+        part: str,
+        mutator: str,
+        outcome: str,
+        seconds: float,
+        what: str,
+        violation: tuple[str, str] | None = None,
+        rss_growth: int | None = None,
+    ) -> None:
         self.inputs += 1
         self.parts[part] += 1
         self.mutators[f"{part}:{mutator}"] += 1
@@ -113,8 +122,9 @@ class Tally:
             self.violations[kind] += 1
             self.violations_by_mutator[f"{kind} in {part}:{mutator}"] += 1
             if sum(1 for e in self.examples if e["kind"] == kind) < 10 and len(self.examples) < 40:
-                self.examples.append({"kind": kind, "part": part, "mutator": mutator, "input": what[:2000],
-                                      "detail": detail[-3000:]})
+                self.examples.append(
+                    {"kind": kind, "part": part, "mutator": mutator, "input": what[:2000], "detail": detail[-3000:]}
+                )
 
     def summary(self, target: str, time_limit_s: float, hang_s: float) -> dict[str, Any]:
         secs = time.perf_counter() - self.t0
@@ -184,8 +194,9 @@ def outcome_of(e: BaseException) -> str:
     return type(e).__name__
 
 
-def campaign_args(doc: str, runs: int, argv: list[str] | None,
-                  extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def campaign_args(
+    doc: str, runs: int, argv: list[str] | None, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """The options every campaign script takes (``--runs``, ``--seed``, ``--out``) plus ``extra``'s."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=runs, help=f"inputs (default {runs:,})")

@@ -72,7 +72,9 @@ def _seeds() -> tuple[tuple[str, bytes], ...]:
     out = [("fixture_sample", (FIXTURES / "sample.kvtc").read_bytes())]
     settings = list(_SETTINGS)
     for extra in sorted(set(BACKENDS) - {"raw", "zlib", "zstd"}):  # e.g. a GPU backend's CPU twin
-        settings.append((f"kvtc_r8_{extra}_b2_t30", dict(ratio=8, sinks=2, window=4, backend=extra), 2, 30, torch.bfloat16))
+        settings.append(
+            (f"kvtc_r8_{extra}_b2_t30", dict(ratio=8, sinks=2, window=4, backend=extra), 2, 30, torch.bfloat16)
+        )
         settings.append((f"identity_{extra}_b1_t12", dict(backend=extra), 1, 12, torch.float16))
     for i, (name, kw, batch, tokens, dtype) in enumerate(settings):
         kv = _slice(cal, batch, tokens, dtype, seed=100 + i)

@@ -35,7 +35,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from common import Tally, campaign_args, hwm, reset_hwm, write_summary  # noqa: E402
-from fuzz_container import INTERESTING_INTS, junk, mutate_json_text, mutate_tree, _paths, _get  # noqa: E402
+from fuzz_container import INTERESTING_INTS, _get, _paths, mutate_json_text, mutate_tree  # noqa: E402
 
 FIXTURE = HERE.parent / "tests" / "fixtures" / "calibration.safetensors"
 TIME_LIMIT_S = 1.0
@@ -63,8 +63,14 @@ def build_seeds() -> dict[str, bytes]:
         return (torch.randn(n, p, generator=g) * sd) @ q.T + 0.5
 
     scales = {"keys": torch.rand(p, generator=g) + 0.5, "values": torch.rand(p, generator=g) + 0.5}
-    cal = fit_calibration(layout, [(rows(384), rows(384) * 0.3)], Recipe(ratios=(4, 8, 16), dp_rows=192),
-                          model_id="fuzz-scaled", corpus={"name": "synthetic"}, feature_scale=scales)
+    cal = fit_calibration(
+        layout,
+        [(rows(384), rows(384) * 0.3)],
+        Recipe(ratios=(4, 8, 16), dp_rows=192),
+        model_id="fuzz-scaled",
+        corpus={"name": "synthetic"},
+        feature_scale=scales,
+    )
     # timings would make the seed (and so every mutation) differ per run
     cal = dataclasses.replace(cal, stats={"seconds": {"total": 0.0}})
     seeds["scaled"] = cal.to_bytes()
@@ -163,8 +169,9 @@ def m_tensor_table(rng, header, meta, body):
     if r < 0.25:
         entry["dtype"] = rng.choice(["F32", "F16", "BF16", "F64", "I64", "U8", "BOOL", "F8_E4M3", "X", 3])
     elif r < 0.5:
-        entry["shape"] = rng.choice([[], [0], [1 << 40], [-1], [3, 3], list(reversed(entry["shape"])),
-                                     entry["shape"] + [1], [len(body)]])
+        entry["shape"] = rng.choice(
+            [[], [0], [1 << 40], [-1], [3, 3], list(reversed(entry["shape"])), entry["shape"] + [1], [len(body)]]
+        )
     elif r < 0.7:
         a, b = entry["data_offsets"]
         entry["data_offsets"] = rng.choice([[b, a], [a, a], [0, len(body) + 8], [a, b + 4], [a - 4, b], [0, 1 << 62]])
@@ -190,8 +197,21 @@ def m_bytes(rng: random.Random, data: bytes) -> bytes:
         i = rng.randrange(len(b) + 1)
         b[i:i] = rng.randbytes(rng.choice((1, 7, 64)))
     elif r < 0.85:
-        b[:8] = struct.pack("<Q", rng.choice([0, 1, 7, len(b), len(b) - 8, 1 << 40, (1 << 64) - 1,
-                                              int.from_bytes(b[:8], "little") + rng.choice((-8, -1, 1, 8))]))
+        b[:8] = struct.pack(
+            "<Q",
+            rng.choice(
+                [
+                    0,
+                    1,
+                    7,
+                    len(b),
+                    len(b) - 8,
+                    1 << 40,
+                    (1 << 64) - 1,
+                    int.from_bytes(b[:8], "little") + rng.choice((-8, -1, 1, 8)),
+                ]
+            ),
+        )
     else:
         i = rng.randrange(len(b))
         j = rng.randrange(i, min(len(b), i + 4096) + 1)
@@ -199,8 +219,14 @@ def m_bytes(rng: random.Random, data: bytes) -> bytes:
     return bytes(b)
 
 
-META_MUTATORS = {"field_junk": (m_field_junk, 30), "deep_nesting": (m_deep, 6), "bad_numbers": (m_numbers, 10),
-                 "huge_counts": (m_counts, 8), "meta_text": (m_meta_text, 12), "tensor_table": (m_tensor_table, 10)}
+META_MUTATORS = {
+    "field_junk": (m_field_junk, 30),
+    "deep_nesting": (m_deep, 6),
+    "bad_numbers": (m_numbers, 10),
+    "huge_counts": (m_counts, 8),
+    "meta_text": (m_meta_text, 12),
+    "tensor_table": (m_tensor_table, 10),
+}
 
 
 def mutate(rng: random.Random, seeds: dict[str, bytes]) -> tuple[str, bytes]:
@@ -292,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    args = campaign_args(__doc__, 2000, argv, lambda ap: ap.add_argument("--seconds", type=float, default=None,
-                                                                          help="time budget"))
+    args = campaign_args(
+        __doc__, 2000, argv, lambda ap: ap.add_argument("--seconds", type=float, default=None, help="time budget")
+    )
     tally = run(args.runs, args.seed, args.seconds)
     print(write_summary(tally.summary(TARGET, TIME_LIMIT_S, HANG_S), args.out))
     return 1 if tally.violations else 0

@@ -28,8 +28,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -51,6 +52,7 @@ class ReachedModel(BaseException):
 def _guard(what: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise ReachedModel(f"{what} called with {args!r:.120}")
+
     return refuse
 
 
@@ -60,8 +62,10 @@ def model_guard() -> Any:
     import importlib
 
     patched: list[tuple[Any, str, Any]] = []
-    for module, names in (("kvtc.assets", ("load_model",)),
-                          ("kvtc.integrations.hf_calibrate", ("default_calibration", "calibrate_model"))):
+    for module, names in (
+        ("kvtc.assets", ("load_model",)),
+        ("kvtc.integrations.hf_calibrate", ("default_calibration", "calibrate_model")),
+    ):
         try:
             mod = importlib.import_module(module)
         except ImportError:  # transformers missing: the CLI cannot get that far either
@@ -131,15 +135,34 @@ class Sandbox:
                 pass
 
 
-BAD_INTS = ["0", "-1", "-5", "abc", "", "1e3", "1.5", "nan", "99999999999999999999999", str(1 << 63), "0x10", " ",
-            "--", "\u0663"]
+BAD_INTS = [
+    "0",
+    "-1",
+    "-5",
+    "abc",
+    "",
+    "1e3",
+    "1.5",
+    "nan",
+    "99999999999999999999999",
+    str(1 << 63),
+    "0x10",
+    " ",
+    "--",
+    "\u0663",
+]
 BAD_FLOATS = ["0", "-1", "-16", "nan", "inf", "-inf", "abc", "", "1e400", "1e-320", "0.5", "1", "0.999"]
-BAD_TOKEN_IDS = [-1, -(1 << 63), 1 << 31, 1 << 63, 1 << 70, 10 ** 12, 1.5, "7", None, True, [1], float("nan")]
+BAD_TOKEN_IDS = [-1, -(1 << 63), 1 << 31, 1 << 63, 1 << 70, 10**12, 1.5, "7", None, True, [1], float("nan")]
 
 
 def tokens_record(sb: Sandbox, blob: bytes, ids: Any, **over: Any) -> bytes:
-    rec = {"format": "kvtc-tokens", "version": 1, "blob_sha256": hashlib.sha256(blob).hexdigest(), "chat": False,
-           "token_ids": ids}
+    rec = {
+        "format": "kvtc-tokens",
+        "version": 1,
+        "blob_sha256": hashlib.sha256(blob).hexdigest(),
+        "chat": False,
+        "token_ids": ids,
+    }
     rec.update(over)
     return json.dumps(rec, allow_nan=True).encode()
 
@@ -154,15 +177,37 @@ def bad_tokens_case(rng: random.Random, sb: Sandbox) -> tuple[str, list[str]]:
     info = Codec.inspect(blob)
     batch, held = info["batch"], info["tokens"]
     good_row = [rng.randrange(1, 1000) for _ in range(max(held, 1) + 2)]
-    kind = rng.choice(["1d", "ragged", "strings", "floats", "out_of_range", "empty", "empty_rows", "deep", "dict",
-                       "wrong_sha", "wrong_format", "not_json", "json_list", "batch_mismatch", "too_short",
-                       "directory", "fifo", "huge_list", "nan"])
+    kind = rng.choice(
+        [
+            "1d",
+            "ragged",
+            "strings",
+            "floats",
+            "out_of_range",
+            "empty",
+            "empty_rows",
+            "deep",
+            "dict",
+            "wrong_sha",
+            "wrong_format",
+            "not_json",
+            "json_list",
+            "batch_mismatch",
+            "too_short",
+            "directory",
+            "fifo",
+            "huge_list",
+            "nan",
+        ]
+    )
     rec_path = blob_path.with_name(blob_path.name + TOKENS_SUFFIX)
     rows = [list(good_row) for _ in range(batch)]
     if kind == "1d":
         data = tokens_record(sb, blob, good_row)
     elif kind == "ragged":
-        data = tokens_record(sb, blob, [good_row, good_row[:-1]] if batch < 2 else [good_row] + [good_row[:-1]] * (batch - 1))
+        data = tokens_record(
+            sb, blob, [good_row, good_row[:-1]] if batch < 2 else [good_row] + [good_row[:-1]] * (batch - 1)
+        )
     elif kind == "strings":
         data = tokens_record(sb, blob, [[str(t) for t in r] for r in rows])
     elif kind == "floats":
@@ -230,26 +275,61 @@ def build_case(rng: random.Random, sb: Sandbox) -> tuple[str, list[str]]:
         return "compress_numbers", ["compress", "--prompt", "hello world", "--out", str(sb.root / "o.kvtc"), opt, v]
     if r < 0.72:
         cmd = rng.choice([["compress", "--out", str(sb.root / "o.kvtc")], ["generate"]])
-        return "empty_prompt", cmd + rng.choice([["--prompt", ""], ["--prompt", "   "], ["--file", str(sb.files["empty"])],
-                                                 ["--file", str(sb.bad_text)], ["--file", str(f())]])
+        return "empty_prompt", cmd + rng.choice(
+            [
+                ["--prompt", ""],
+                ["--prompt", "   "],
+                ["--file", str(sb.files["empty"])],
+                ["--file", str(sb.bad_text)],
+                ["--file", str(f())],
+            ]
+        )
     if r < 0.78:
         out = rng.choice([sb.files["missing_dir"], sb.files["dir"], sb.root / "sample.kvtc" / "x", sb.files["fifo"]])
         return "compress_out", ["compress", "--prompt", "hello world", "--out", str(out)] + (
-            ["--identity"] if rng.random() < 0.5 else ["--calibration", str(sb.calibration)])
+            ["--identity"] if rng.random() < 0.5 else ["--calibration", str(sb.calibration)]
+        )
     if r < 0.86:
-        opt = rng.choice([("--tokens", rng.choice(BAD_INTS)), ("--ratios", rng.choice(BAD_FLOATS)),
-                          ("--window", rng.choice(BAD_INTS)), ("--value-weight", rng.choice(BAD_FLOATS)),
-                          ("--types", rng.choice(["bogus", "", ",", "int2,nope", "drop"])),
-                          ("--corpus", str(f())), ("--out", str(sb.files["missing_dir"]))])
-        argv = ["calibrate", *opt, "--out", str(sb.root / "c.safetensors")] if opt[0] != "--out" else ["calibrate", *opt]
+        opt = rng.choice(
+            [
+                ("--tokens", rng.choice(BAD_INTS)),
+                ("--ratios", rng.choice(BAD_FLOATS)),
+                ("--window", rng.choice(BAD_INTS)),
+                ("--value-weight", rng.choice(BAD_FLOATS)),
+                ("--types", rng.choice(["bogus", "", ",", "int2,nope", "drop"])),
+                ("--corpus", str(f())),
+                ("--out", str(sb.files["missing_dir"])),
+            ]
+        )
+        argv = (
+            ["calibrate", *opt, "--out", str(sb.root / "c.safetensors")] if opt[0] != "--out" else ["calibrate", *opt]
+        )
         return f"calibrate{opt[0].replace('--', '_')}", argv
     if r < 0.9:
-        return "compress_calibration", ["compress", "--prompt", "hello world", "--out", str(sb.root / "o.kvtc"),
-                                        "--calibration", str(rng.choice([sb.bad_calibration, f()]))]
-    return "usage", rng.choice([[], ["frobnicate"], ["inspect"], ["inspect", "--bogus", str(sb.files["kvtc"])],
-                                ["generate", "--prompt", "a", "--file", str(sb.bad_text)], ["compress"],
-                                ["compress", "--prompt", "x"], ["--calibration"], ["inspect", str(f()), str(f())],
-                                ["\x00"], ["generate", "--resume"]])
+        return "compress_calibration", [
+            "compress",
+            "--prompt",
+            "hello world",
+            "--out",
+            str(sb.root / "o.kvtc"),
+            "--calibration",
+            str(rng.choice([sb.bad_calibration, f()])),
+        ]
+    return "usage", rng.choice(
+        [
+            [],
+            ["frobnicate"],
+            ["inspect"],
+            ["inspect", "--bogus", str(sb.files["kvtc"])],
+            ["generate", "--prompt", "a", "--file", str(sb.bad_text)],
+            ["compress"],
+            ["compress", "--prompt", "x"],
+            ["--calibration"],
+            ["inspect", str(f()), str(f())],
+            ["\x00"],
+            ["generate", "--resume"],
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------------ one invocation
@@ -290,8 +370,10 @@ def run_one(argv: list[str], sb: Sandbox, watched: list[Path]) -> tuple[str, flo
             outcome, violation = "reached_model", ("reached_model", f"a model would be loaded: {e}")
         except BaseException as e:  # noqa: BLE001 - the property under test
             outcome = type(e).__name__
-            violation = ("exception", f"{type(e).__name__}: {e}\n" +
-                         "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            violation = (
+                "exception",
+                f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+            )
     dt = time.perf_counter() - t0
     if dt >= HANG_S and violation is None:  # it returned only once a blocked read was given EOF
         outcome, violation = "hang", ("hang", f"blocked for {HANG_S:g} s (returned {code} once unblocked)")
@@ -342,8 +424,9 @@ def run(runs: int, seed: int) -> Tally:
                 name, argv = build_case(rng, sb)
                 outcome, dt, violation, stderr = run_one(argv, sb, watched)
                 what = json.dumps([os.path.relpath(a, sb.root) if a.startswith(str(sb.root)) else a for a in argv])
-                tally.add("cli", name, outcome, dt, what + (f" stderr: {stderr[-300:]!r}" if violation else ""),
-                          violation)
+                tally.add(
+                    "cli", name, outcome, dt, what + (f" stderr: {stderr[-300:]!r}" if violation else ""), violation
+                )
                 os.chdir(tmp)
                 sb.unblock()
                 shutil.rmtree(sb.root, ignore_errors=True)
@@ -365,8 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    args = campaign_args(__doc__, 300, argv, lambda ap: ap.add_argument(
-        "--hang-s", type=float, default=HANG_S, help="seconds an invocation may run"))
+    args = campaign_args(
+        __doc__,
+        300,
+        argv,
+        lambda ap: ap.add_argument("--hang-s", type=float, default=HANG_S, help="seconds an invocation may run"),
+    )
     globals()["HANG_S"] = args.hang_s
     tally = run(args.runs, args.seed)
     print(write_summary(tally.summary(TARGET, args.hang_s, args.hang_s), args.out))

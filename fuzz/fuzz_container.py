@@ -41,13 +41,14 @@ import struct
 import sys
 import threading
 import time
-import tracemalloc
 import traceback
+import tracemalloc
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -86,6 +87,7 @@ def _load(instrument: bool = False) -> dict[str, Any]:
         with atheris.instrument_imports(include=["kvtc"]):
             import kvtc.codec  # noqa: F401
     import corpus_seed
+
     from kvtc.codec import Codec, container
     from kvtc.codec.entropy import BACKENDS
     from kvtc.errors import KVTCError
@@ -155,8 +157,10 @@ def alloc_bounds(data: bytes, header: Any) -> tuple[int, int | None]:
         return py, None
     raw = sum(s.raw for s in header.sections)
     decoded_f32 = 2 * header.batch * header.tokens * header.layout.num_features * 4
-    return (py + PY_PER_RAW_BYTE * raw,
-            RSS_BASE + PY_PER_INPUT_BYTE * len(data) + RSS_PER_RAW_BYTE * raw + RSS_PER_DECODED_F32_BYTE * decoded_f32)
+    return (
+        py + PY_PER_RAW_BYTE * raw,
+        RSS_BASE + PY_PER_INPUT_BYTE * len(data) + RSS_PER_RAW_BYTE * raw + RSS_PER_DECODED_F32_BYTE * decoded_f32,
+    )
 
 
 def check_input(data: bytes, measure_rss: bool = True, all_targets: bool = True) -> Outcome:
@@ -202,8 +206,9 @@ def check_input(data: bytes, measure_rss: bool = True, all_targets: bool = True)
             tracemalloc.stop()
     rss_growth = hwm() - rss0 if rss0 is not None else None
     py_bound, rss_bound = alloc_bounds(data, header)
-    out = Outcome(results, header is not None, slowest, seconds, py_peak, py_bound, rss_growth,
-                  rss_bound if rss0 else None)
+    out = Outcome(
+        results, header is not None, slowest, seconds, py_peak, py_bound, rss_growth, rss_bound if rss0 else None
+    )
     if slowest > TIME_LIMIT_S:
         raise FuzzFailure("slow", f"{slowest:.3f} s > {TIME_LIMIT_S} s in one entry point; results {results}", data)
     if py_peak > py_bound:
@@ -219,15 +224,86 @@ def one_input(data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------------ mutators
-INTERESTING_INTS = [0, 1, -1, 2, 3, 7, 8, 15, 16, 17, 31, 64, 127, 128, 255, 256, 4095, 4096, 4097,
-                    65535, 65536, 65537, 1 << 20, (1 << 20) + 1, (1 << 22), (1 << 22) + 1, (1 << 24) + 1,
-                    (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 36, (1 << 36) + 1, 1 << 53,
-                    (1 << 63) - 1, 1 << 63, 1 << 64, 10 ** 30, -(1 << 63), 10 ** 300]
-INTERESTING_STRS = ["", "a", "kvtc", "identity", "raw", "zlib", "zstd", "bits", "bytes", "positions", "raw.keys",
-                    "raw.values", "keys.0.params", "keys.0.int2", "keys.0.int4", "keys.0.fp8", "values.0.params",
-                    "keys.1.params", "bfloat16", "float16", "float32", "int8", "float64", "8", "4", "16", "8.0",
-                    "../../evil", "nvcomp", "\u0000", "\ud800", "\u00e9\u4e2d", "x" * 65, "y" * 129, "z" * 5000]
-JUNK_FLOATS = [0.5, -0.0, 1e308, 1e-320, float("nan"), float("inf"), float("-inf"), 2.0 ** 63]
+INTERESTING_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    7,
+    8,
+    15,
+    16,
+    17,
+    31,
+    64,
+    127,
+    128,
+    255,
+    256,
+    4095,
+    4096,
+    4097,
+    65535,
+    65536,
+    65537,
+    1 << 20,
+    (1 << 20) + 1,
+    (1 << 22),
+    (1 << 22) + 1,
+    (1 << 24) + 1,
+    (1 << 31) - 1,
+    1 << 31,
+    (1 << 32) - 1,
+    1 << 32,
+    1 << 36,
+    (1 << 36) + 1,
+    1 << 53,
+    (1 << 63) - 1,
+    1 << 63,
+    1 << 64,
+    10**30,
+    -(1 << 63),
+    10**300,
+]
+INTERESTING_STRS = [
+    "",
+    "a",
+    "kvtc",
+    "identity",
+    "raw",
+    "zlib",
+    "zstd",
+    "bits",
+    "bytes",
+    "positions",
+    "raw.keys",
+    "raw.values",
+    "keys.0.params",
+    "keys.0.int2",
+    "keys.0.int4",
+    "keys.0.fp8",
+    "values.0.params",
+    "keys.1.params",
+    "bfloat16",
+    "float16",
+    "float32",
+    "int8",
+    "float64",
+    "8",
+    "4",
+    "16",
+    "8.0",
+    "../../evil",
+    "nvcomp",
+    "\u0000",
+    "\ud800",
+    "\u00e9\u4e2d",
+    "x" * 65,
+    "y" * 129,
+    "z" * 5000,
+]
+JUNK_FLOATS = [0.5, -0.0, 1e308, 1e-320, float("nan"), float("inf"), float("-inf"), 2.0**63]
 
 
 def junk(rng: random.Random, depth: int = 0) -> Any:
@@ -251,7 +327,10 @@ def junk(rng: random.Random, depth: int = 0) -> Any:
             return [{} for _ in range(min(n, 2000))]
         return [junk(rng, depth + 1) for _ in range(min(n, 8))]
     if r < 0.9:
-        return {rng.choice(INTERESTING_STRS + ["layers", "heads", "mode"]): junk(rng, depth + 1) for _ in range(rng.randrange(4))}
+        return {
+            rng.choice(INTERESTING_STRS + ["layers", "heads", "mode"]): junk(rng, depth + 1)
+            for _ in range(rng.randrange(4))
+        }
     v: Any = rng.choice([0, "x", None, {}])
     for _ in range(rng.randrange(1, 60)):
         v = [v] if rng.random() < 0.7 else {"k": v}
@@ -275,8 +354,9 @@ def seal(header: bytes, body: bytes, version: int = 1, flags: int = 0) -> bytes:
 
 def _dump(d: Any, rng: random.Random) -> bytes:
     compact = rng.random() < 0.7
-    return json.dumps(d, separators=(",", ":") if compact else None, sort_keys=rng.random() < 0.5,
-                      ensure_ascii=rng.random() < 0.8).encode("utf-8", "surrogatepass")
+    return json.dumps(
+        d, separators=(",", ":") if compact else None, sort_keys=rng.random() < 0.5, ensure_ascii=rng.random() < 0.8
+    ).encode("utf-8", "surrogatepass")
 
 
 def _paths(node: Any, path: tuple = ()) -> list[tuple]:
@@ -314,8 +394,20 @@ def mutate_tree(rng: random.Random, d: Any) -> Any:
     elif op < 0.6 and isinstance(parent, dict):
         parent[rng.choice(INTERESTING_STRS)] = junk(rng)
     elif op < 0.85 and isinstance(cur, int) and not isinstance(cur, bool):
-        parent[key] = rng.choice([cur + 1, cur - 1, cur * 2, -cur, cur + (1 << rng.randrange(64)),
-                                  rng.choice(INTERESTING_INTS), str(cur), float(cur), [cur], cur == 0])
+        parent[key] = rng.choice(
+            [
+                cur + 1,
+                cur - 1,
+                cur * 2,
+                -cur,
+                cur + (1 << rng.randrange(64)),
+                rng.choice(INTERESTING_INTS),
+                str(cur),
+                float(cur),
+                [cur],
+                cur == 0,
+            ]
+        )
     elif op < 0.85 and isinstance(cur, list):
         r = rng.random()
         if r < 0.3 and cur:
@@ -341,8 +433,28 @@ def mutate_json_text(rng: random.Random, h: bytes) -> bytes:
     if r < 0.2 and h:
         h[min(pos, len(h) - 1)] = rng.choice(b'{}[]",:0123456789-+.eEtfn\\ \x00\x80\xff')
     elif r < 0.4:
-        tok = rng.choice([b"[", b"{", b"]", b"}", b",", b'"', b"\\u", b'"\\ud800"', b"NaN", b"-Infinity", b"1e999",
-                          b"-0", b"0" * 5000, b"9" * 4400, b"\xef\xbb\xbf", b"\xff\xfe", b"/*x*/", b"\t\n"])
+        tok = rng.choice(
+            [
+                b"[",
+                b"{",
+                b"]",
+                b"}",
+                b",",
+                b'"',
+                b"\\u",
+                b'"\\ud800"',
+                b"NaN",
+                b"-Infinity",
+                b"1e999",
+                b"-0",
+                b"0" * 5000,
+                b"9" * 4400,
+                b"\xef\xbb\xbf",
+                b"\xff\xfe",
+                b"/*x*/",
+                b"\t\n",
+            ]
+        )
         h[pos:pos] = tok
     elif r < 0.55:
         n = rng.choice([10, 100, 900, 990, 1000, 1100, 5000, 100000])
@@ -429,8 +541,22 @@ def _zstd(data: bytes, rng: random.Random) -> bytes:
 def mutate_fields_deep(rng: random.Random, d: dict) -> dict:
     """Change the slice-level fields (to values the validator may well accept) before a rebuild."""
     for _ in range(rng.randint(1, 3)):
-        f = rng.choice(["batch", "tokens", "sinks", "window", "packing", "dtype", "heads", "mode", "ratio", "cal",
-                        "layers", "head_dim"])
+        f = rng.choice(
+            [
+                "batch",
+                "tokens",
+                "sinks",
+                "window",
+                "packing",
+                "dtype",
+                "heads",
+                "mode",
+                "ratio",
+                "cal",
+                "layers",
+                "head_dim",
+            ]
+        )
         lay = d.get("layout") if isinstance(d.get("layout"), dict) else {}
         if f in ("batch", "tokens"):
             d[f] = rng.choice([0, 1, 2, 3, 5, 7, 40, 97, 300])
@@ -460,8 +586,18 @@ def mutate_fields_deep(rng: random.Random, d: dict) -> dict:
     return d
 
 
-MUTATORS = ("random", "flip", "insert_delete", "truncate_extend", "splice", "prefix_fields", "json_text_resealed",
-            "json_tree_resealed", "sections_resealed", "deep_rebuilt")
+MUTATORS = (
+    "random",
+    "flip",
+    "insert_delete",
+    "truncate_extend",
+    "splice",
+    "prefix_fields",
+    "json_text_resealed",
+    "json_tree_resealed",
+    "sections_resealed",
+    "deep_rebuilt",
+)
 #: mutator weights. ``deep``: a third of the inputs pass the header check and reach the decoders;
 #: ``long``: cheaper (most inputs end in the prefix/CRC/JSON checks) for million-input runs
 PROFILES = {
@@ -527,7 +663,9 @@ def mutate(rng: random.Random, pool: list[bytes], profile: str = "deep") -> tupl
         elif fld == 1:
             struct.pack_into("<H", b, 6, val & 0xFFFF)
         elif fld == 2:
-            struct.pack_into("<I", b, 8, (len(b) - 16 + rng.choice((-1, 0, 1)) if rng.random() < 0.3 else val) & 0xFFFFFFFF)
+            struct.pack_into(
+                "<I", b, 8, (len(b) - 16 + rng.choice((-1, 0, 1)) if rng.random() < 0.3 else val) & 0xFFFFFFFF
+            )
         else:
             struct.pack_into("<I", b, 12, val & 0xFFFFFFFF)
         return "prefix_fields", bytes(b)
@@ -560,8 +698,14 @@ def mutate(rng: random.Random, pool: list[bytes], profile: str = "deep") -> tupl
             s = rng.choice(secs)
             if isinstance(s, list) and len(s) == 5:
                 i = rng.choice((2, 2, 3, 3, 4, 1, 0))
-                s[i] = rng.choice([rng.choice(INTERESTING_INTS), s[i] + 1 if isinstance(s[i], int) else s[i],
-                                   s[i] - 1 if isinstance(s[i], int) else s[i], rng.choice(INTERESTING_STRS)])
+                s[i] = rng.choice(
+                    [
+                        rng.choice(INTERESTING_INTS),
+                        s[i] + 1 if isinstance(s[i], int) else s[i],
+                        s[i] - 1 if isinstance(s[i], int) else s[i],
+                        rng.choice(INTERESTING_STRS),
+                    ]
+                )
         body = _fix_body(rng, d, body)
         if rng.random() < 0.5:  # re-seal every section CRC over the new cut so the decompressors run
             off = 0
@@ -612,9 +756,16 @@ class Stats:
         if fail is not None:
             self.failures[f"{fail.kind}"] += 1
             if len(self.failure_examples) < 20:
-                self.failure_examples.append({"kind": fail.kind, "mutator": mutator, "detail": fail.detail[-4000:],
-                                              "input_b64": base64.b64encode(data[:65536]).decode(),
-                                              "input_len": len(data), "sha256": _sha(data)})
+                self.failure_examples.append(
+                    {
+                        "kind": fail.kind,
+                        "mutator": mutator,
+                        "detail": fail.detail[-4000:],
+                        "input_b64": base64.b64encode(data[:65536]).decode(),
+                        "input_len": len(data),
+                        "sha256": _sha(data),
+                    }
+                )
             return
         assert out is not None
         for k, v in out.results.items():
@@ -644,7 +795,7 @@ class Stats:
         secs = time.perf_counter() - self.t0
         return {
             "target": "kvtc container v1: read_header, Codec.inspect, Codec(cal).decode, Codec(cal).decode_layers, "
-                      "Codec.identity().decode",
+            "Codec.identity().decode",
             "engine": self.engine,
             "seed": self.seed,
             "profile": self.profile,
@@ -672,8 +823,11 @@ class Stats:
             "peak_rss_growth_bytes": self.peak_rss_growth,
             "max_rss_growth_fraction_of_bound": round(self.max_rss_frac, 4),
             "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "versions": {"kvtc": getattr(kvtc, "__version__", "?"), "python": platform.python_version(),
-                         "torch": torch.__version__},
+            "versions": {
+                "kvtc": getattr(kvtc, "__version__", "?"),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+            },
         }
 
 
@@ -691,7 +845,12 @@ class _Watchdog:
             cur = self.current
             if cur is not None and time.perf_counter() - cur[0] > HANG_S:
                 data = cur[1]
-                msg = {"hang": True, "seconds": HANG_S, "sha256": _sha(data), "input_b64": base64.b64encode(data[:65536]).decode()}
+                msg = {
+                    "hang": True,
+                    "seconds": HANG_S,
+                    "sha256": _sha(data),
+                    "input_b64": base64.b64encode(data[:65536]).decode(),
+                }
                 if self.crash_dir:
                     self.crash_dir.mkdir(parents=True, exist_ok=True)
                     (self.crash_dir / f"hang-{_sha(data)[:16]}").write_bytes(data)
@@ -699,9 +858,16 @@ class _Watchdog:
                 os._exit(70)
 
 
-def run_loop(runs: int | None, seconds: float | None, seed: int = 0, crash_dir: Path | None = None,
-             progress: Callable[[Stats], None] | None = None, watchdog: bool = False,
-             profile: str = "deep", all_targets: bool = True) -> Stats:
+def run_loop(
+    runs: int | None,
+    seconds: float | None,
+    seed: int = 0,
+    crash_dir: Path | None = None,
+    progress: Callable[[Stats], None] | None = None,
+    watchdog: bool = False,
+    profile: str = "deep",
+    all_targets: bool = True,
+) -> Stats:
     """The plain mutation loop: ``runs`` inputs or ``seconds`` of fuzzing, whichever ends first."""
     kv = _load()
     rng = random.Random(seed)
@@ -739,8 +905,7 @@ def run_loop(runs: int | None, seconds: float | None, seed: int = 0, crash_dir: 
     return stats
 
 
-def run_atheris(argv_rest: list[str], runs: int | None, seconds: float | None, seed: int,
-                out: Path | None) -> None:
+def run_atheris(argv_rest: list[str], runs: int | None, seconds: float | None, seed: int, out: Path | None) -> None:
     import atheris
 
     kv = _load(instrument=True)
@@ -802,15 +967,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="number of inputs")
     ap.add_argument("--seconds", type=float, default=None, help="time budget")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--engine", choices=("auto", "loop", "atheris"), default="loop",
-                    help="loop: plain mutation loop; atheris: coverage-guided (with the same mutators); "
-                         "auto: atheris when it imports")
+    ap.add_argument(
+        "--engine",
+        choices=("auto", "loop", "atheris"),
+        default="loop",
+        help="loop: plain mutation loop; atheris: coverage-guided (with the same mutators); "
+        "auto: atheris when it imports",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
     ap.add_argument("--crash-dir", type=Path, default=None, help="write violating inputs here")
     ap.add_argument("--mem-limit-mb", type=int, default=3072, help="address-space headroom (0: no cap)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="deep", help="mutator weights")
-    ap.add_argument("--fast", action="store_true",
-                    help="skip the other targets when read_header rejects an input (they all start with it)")
+    ap.add_argument(
+        "--fast",
+        action="store_true",
+        help="skip the other targets when read_header rejects an input (they all start with it)",
+    )
     ap.add_argument("--quiet", action="store_true")
     args, rest = ap.parse_known_args(argv)
     if args.runs is None and args.seconds is None:
@@ -835,11 +1007,23 @@ def main(argv: list[str] | None = None) -> int:
     def progress(s: Stats) -> None:
         if not args.quiet and s.inputs % 100000 == 0:
             el = time.perf_counter() - s.t0
-            print(f"# {s.inputs} inputs, {s.inputs / el:.0f}/s, violations {dict(s.failures)}, "
-                  f"slowest {s.slowest_s * 1e3:.1f} ms", file=sys.stderr, flush=True)
+            print(
+                f"# {s.inputs} inputs, {s.inputs / el:.0f}/s, violations {dict(s.failures)}, "
+                f"slowest {s.slowest_s * 1e3:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    stats = run_loop(args.runs, args.seconds, args.seed, args.crash_dir, progress, watchdog=True,
-                     profile=args.profile, all_targets=not args.fast)
+    stats = run_loop(
+        args.runs,
+        args.seconds,
+        args.seed,
+        args.crash_dir,
+        progress,
+        watchdog=True,
+        profile=args.profile,
+        all_targets=not args.fast,
+    )
     s = stats.summary()
     text = json.dumps(s, indent=1)
     print(text)

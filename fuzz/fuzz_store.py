@@ -23,7 +23,6 @@ of the documented type (a miss / False where the entry is unusable), never raise
 
 from __future__ import annotations
 
-import base64
 import os
 import random
 import shutil
@@ -35,8 +34,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -48,16 +48,103 @@ NS = "model:calibration"
 OP_TIMEOUT_S = 10.0
 TIME_LIMIT_S = OP_TIMEOUT_S
 
-SCHEMES = ["memory", "redis", "rediss", "redis+cluster", "rediss+cluster", "REDIS", "Redis+Cluster", "ftp", "valkey",
-           "s3", "file", "", "http", "redis+", "+cluster"]
-OPTION_NAMES = ["ttl", "timeout", "retry_interval", "prefix", "max_bytes", "evict_to", "tmp_grace", "sweep_interval",
-                "budget", "", "TTL", "db"]
-NUMBERS = ["inf", "-inf", "nan", "1e400", "-0", "0", "1e-300", "0x10", "1_000", " 5", "\u0663", "1e308",
-           "99999999999999999999999999", "18446744073709551616", "64MiB", "2G", "1k", "-1", "", "%00", "1.5", "3600",
-           "0.05", "1e-9", "5 ", "+5", "1e3", "64mib", "1 KiB", "0b1", "NaN", "\u00bd", "9" * 400]
-NETLOCS = ["", "h", "h:1", "h:0", "h:65536", "h:-1", "h:x", "[::1]:7000", "[::1", "::1]", "u:p@h:1", "a:1,b:2",
-           "a:1,,b", ",", "@", "h:1:2", "%zz", "h%00", "a b", "[]:1", "h:" + "9" * 30, "127.0.0.1:6379",
-           ":@", "u@", "x" * 300, "h:1," * 200, "\u00e9:1", "[v1.x]:1", "h\t:1"]
+SCHEMES = [
+    "memory",
+    "redis",
+    "rediss",
+    "redis+cluster",
+    "rediss+cluster",
+    "REDIS",
+    "Redis+Cluster",
+    "ftp",
+    "valkey",
+    "s3",
+    "file",
+    "",
+    "http",
+    "redis+",
+    "+cluster",
+]
+OPTION_NAMES = [
+    "ttl",
+    "timeout",
+    "retry_interval",
+    "prefix",
+    "max_bytes",
+    "evict_to",
+    "tmp_grace",
+    "sweep_interval",
+    "budget",
+    "",
+    "TTL",
+    "db",
+]
+NUMBERS = [
+    "inf",
+    "-inf",
+    "nan",
+    "1e400",
+    "-0",
+    "0",
+    "1e-300",
+    "0x10",
+    "1_000",
+    " 5",
+    "\u0663",
+    "1e308",
+    "99999999999999999999999999",
+    "18446744073709551616",
+    "64MiB",
+    "2G",
+    "1k",
+    "-1",
+    "",
+    "%00",
+    "1.5",
+    "3600",
+    "0.05",
+    "1e-9",
+    "5 ",
+    "+5",
+    "1e3",
+    "64mib",
+    "1 KiB",
+    "0b1",
+    "NaN",
+    "\u00bd",
+    "9" * 400,
+]
+NETLOCS = [
+    "",
+    "h",
+    "h:1",
+    "h:0",
+    "h:65536",
+    "h:-1",
+    "h:x",
+    "[::1]:7000",
+    "[::1",
+    "::1]",
+    "u:p@h:1",
+    "a:1,b:2",
+    "a:1,,b",
+    ",",
+    "@",
+    "h:1:2",
+    "%zz",
+    "h%00",
+    "a b",
+    "[]:1",
+    "h:" + "9" * 30,
+    "127.0.0.1:6379",
+    ":@",
+    "u@",
+    "x" * 300,
+    "h:1," * 200,
+    "\u00e9:1",
+    "[v1.x]:1",
+    "h\t:1",
+]
 PATHS = ["", "/", "/0", "/3", "/x", "/-1", "/99999999999", "/0/1", "/%2e%2e", "//", "/" + "a" * 300, "/16", "/\u0663"]
 TAILS = ["", "#frag", "?", "?&", "?a", "?=1", "?a=1&a=2", "#"]
 
@@ -71,8 +158,11 @@ def random_query(rng: random.Random) -> str:
     pairs = []
     for _ in range(rng.choice((0, 1, 1, 2, 4))):
         name = rng.choice(OPTION_NAMES) if rng.random() < 0.9 else _rtext(rng, 6)
-        value = rng.choice(NUMBERS) if rng.random() < 0.7 else (repr(rng.uniform(-1e6, 1e6)) if rng.random() < 0.5
-                                                                else _rtext(rng, 10))
+        value = (
+            rng.choice(NUMBERS)
+            if rng.random() < 0.7
+            else (repr(rng.uniform(-1e6, 1e6)) if rng.random() < 0.5 else _rtext(rng, 10))
+        )
         pairs.append(f"{name}={value}")
     return "&".join(pairs)
 
@@ -105,11 +195,35 @@ def _resp(items: list[bytes]) -> bytes:
     return b"*%d\r\n" % len(items) + b"".join(items)
 
 
-FIXED_LEAVES = [b"-MOVED\r\n", b"-MOVED x\r\n", b"-MOVED 1 127.0.0.1:1\r\n", b"-ASK 99999 :\r\n",
-                b"-CLUSTERDOWN The cluster is down\r\n", b"-WRONGTYPE x\r\n", b"-LOADING\r\n", b"-TRYAGAIN\r\n",
-                b"-OOM\r\n", b"$-1\r\n", b"*-1\r\n", b"_\r\n", b"%1\r\n+a\r\n+b\r\n", b"$5\r\nab\r\n",
-                b"$99999999999\r\n", b":x\r\n", b"*x\r\n", b"\r\n", b"+OK\r\n", b":1\r\n", b":0\r\n", b"*0\r\n",
-                b"$0\r\n\r\n", b"-ERR unknown command\r\n", b"-NOSCRIPT\r\n", b"-READONLY\r\n", b"*2\r\n:0\r\n*0\r\n"]
+FIXED_LEAVES = [
+    b"-MOVED\r\n",
+    b"-MOVED x\r\n",
+    b"-MOVED 1 127.0.0.1:1\r\n",
+    b"-ASK 99999 :\r\n",
+    b"-CLUSTERDOWN The cluster is down\r\n",
+    b"-WRONGTYPE x\r\n",
+    b"-LOADING\r\n",
+    b"-TRYAGAIN\r\n",
+    b"-OOM\r\n",
+    b"$-1\r\n",
+    b"*-1\r\n",
+    b"_\r\n",
+    b"%1\r\n+a\r\n+b\r\n",
+    b"$5\r\nab\r\n",
+    b"$99999999999\r\n",
+    b":x\r\n",
+    b"*x\r\n",
+    b"\r\n",
+    b"+OK\r\n",
+    b":1\r\n",
+    b":0\r\n",
+    b"*0\r\n",
+    b"$0\r\n\r\n",
+    b"-ERR unknown command\r\n",
+    b"-NOSCRIPT\r\n",
+    b"-READONLY\r\n",
+    b"*2\r\n:0\r\n*0\r\n",
+]
 
 
 def leaf(rng: random.Random, envelopes: list[bytes]) -> bytes:
@@ -153,14 +267,32 @@ def slots_reply(rng: random.Random, port: int) -> bytes:
     if r < 0.3:
         return good
     if r < 0.5:
-        return rng.choice([b"*1\r\n" * 5000 + b":1\r\n", b"-ERR This instance has cluster support disabled\r\n",
-                           b"$-1\r\n", b":1\r\n", b"*1\r\n:1\r\n", b"$3\r\nabc\r\n", b"nonsense"])
-    hosts = [b"$0\r\n\r\n", b"$1\r\n?\r\n", b"$9\r\n127.0.0.1\r\n", b"$2\r\n\xff\xfe\r\n", b"$4\r\na b\x00\r\n",
-             b":1\r\n", b"*0\r\n"]
+        return rng.choice(
+            [
+                b"*1\r\n" * 5000 + b":1\r\n",
+                b"-ERR This instance has cluster support disabled\r\n",
+                b"$-1\r\n",
+                b":1\r\n",
+                b"*1\r\n:1\r\n",
+                b"$3\r\nabc\r\n",
+                b"nonsense",
+            ]
+        )
+    hosts = [
+        b"$0\r\n\r\n",
+        b"$1\r\n?\r\n",
+        b"$9\r\n127.0.0.1\r\n",
+        b"$2\r\n\xff\xfe\r\n",
+        b"$4\r\na b\x00\r\n",
+        b":1\r\n",
+        b"*0\r\n",
+    ]
     ports = [b":%d\r\n" % port, b":0\r\n", b":-1\r\n", b":70000\r\n", b"$4\r\n6379\r\n", b"$-1\r\n"]
     slot = [b":0\r\n", b":16383\r\n", b":16384\r\n", b":-1\r\n", b"$1\r\n0\r\n", b"*0\r\n"]
-    entries = [b"*3\r\n" + rng.choice(slot) + rng.choice(slot) + b"*2\r\n" + rng.choice(hosts) + rng.choice(ports)
-               for _ in range(rng.randrange(4))]
+    entries = [
+        b"*3\r\n" + rng.choice(slot) + rng.choice(slot) + b"*2\r\n" + rng.choice(hosts) + rng.choice(ports)
+        for _ in range(rng.randrange(4))
+    ]
     return _resp(entries)
 
 
@@ -220,9 +352,24 @@ class RealServer:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -249,8 +396,9 @@ class RealServer:
 
 def plant_redis(client: Any, name: str, rng: random.Random, envelopes: list[bytes]) -> tuple[str, bytes]:
     client.delete(name)
-    kind = rng.choice(["bytes", "bytes", "magic", "envelope", "truncated", "list", "hash", "set", "zset", "stream",
-                       "int"])
+    kind = rng.choice(
+        ["bytes", "bytes", "magic", "envelope", "truncated", "list", "hash", "set", "zset", "stream", "int"]
+    )
     data = rng.randbytes(rng.randrange(1, 300))
     if kind == "bytes":
         client.set(name, data)
@@ -288,8 +436,24 @@ def plant_file(store: Any, key: str, rng: random.Random, tmp: Path, envelopes: l
             shutil.rmtree(path)
         else:
             path.unlink()
-    kind = rng.choice(["fifo", "dir", "dir_full", "symlink_outside", "symlink_dangling", "symlink_loop", "dev_zero",
-                       "empty", "random", "truncated", "foreign", "other_ns", "sparse", "good"])
+    kind = rng.choice(
+        [
+            "fifo",
+            "dir",
+            "dir_full",
+            "symlink_outside",
+            "symlink_dangling",
+            "symlink_loop",
+            "dev_zero",
+            "empty",
+            "random",
+            "truncated",
+            "foreign",
+            "other_ns",
+            "sparse",
+            "good",
+        ]
+    )
     outside = tmp / "outside"
     if kind == "fifo":
         os.mkfifo(path)
@@ -334,8 +498,11 @@ def _typed(op: str, value: Any, keys: list[str]) -> str | None:
     elif op in ("put", "contains", "delete"):
         ok = isinstance(value, bool)
     elif op == "get_many":
-        ok = isinstance(value, dict) and set(value) == set(keys) and all(v is None or isinstance(v, bytes)
-                                                                          for v in value.values())
+        ok = (
+            isinstance(value, dict)
+            and set(value) == set(keys)
+            and all(v is None or isinstance(v, bytes) for v in value.values())
+        )
     elif op == "put_many":
         ok = isinstance(value, dict) and set(value) == set(keys) and all(isinstance(v, bool) for v in value.values())
     elif op == "clear":
@@ -345,9 +512,12 @@ def _typed(op: str, value: Any, keys: list[str]) -> str | None:
     return None if ok else f"{op} returned {value!r:.200}"
 
 
-def run_ops(store: Any, ops: list[tuple[str, Callable[[], Any], list[str]]],
-            unblock: Callable[[], None] | None = None, first: list | None = None
-            ) -> tuple[str, float, tuple[str, str] | None]:
+def run_ops(
+    store: Any,
+    ops: list[tuple[str, Callable[[], Any], list[str]]],
+    unblock: Callable[[], None] | None = None,
+    first: list | None = None,
+) -> tuple[str, float, tuple[str, str] | None]:
     """Run each op with a time limit; (outcome, slowest op seconds, violation or None). The first op's
     result is appended to ``first`` when given."""
     slowest = 0.0
@@ -374,18 +544,22 @@ def run_ops(store: Any, ops: list[tuple[str, Callable[[], Any], list[str]]],
 
 def _ops(store: Any, with_clear: bool = False) -> list[tuple[str, Callable[[], Any], list[str]]]:
     ks = ["k0", "k1", "k2"]
-    ops = [("get", lambda: store.get("k0"), []), ("contains", lambda: store.contains("k0"), []),
-           ("get_many", lambda: store.get_many(ks), ks), ("put", lambda: store.put("k0", b"v"), []),
-           ("put_many", lambda: store.put_many({"a": b"1", "b": b"2"}), ["a", "b"]),
-           ("delete", lambda: store.delete("k1"), [])]
+    ops = [
+        ("get", lambda: store.get("k0"), []),
+        ("contains", lambda: store.contains("k0"), []),
+        ("get_many", lambda: store.get_many(ks), ks),
+        ("put", lambda: store.put("k0", b"v"), []),
+        ("put_many", lambda: store.put_many({"a": b"1", "b": b"2"}), ["a", "b"]),
+        ("delete", lambda: store.delete("k1"), []),
+    ]
     if with_clear:
         ops.append(("clear", lambda: store.clear(), []))
     return ops
 
 
 def part_url(rng: random.Random, tmp: Path, tally: Tally) -> None:
-    from kvtc.store import Store, open_store
     from kvtc.errors import StoreError
+    from kvtc.store import Store, open_store
 
     url = random_url(rng, tmp)
     t0 = time.perf_counter()
@@ -405,13 +579,15 @@ def part_url(rng: random.Random, tmp: Path, tally: Tally) -> None:
         outcome, violation = "hang", ("hang", str(e))
     except Exception as e:  # noqa: BLE001
         outcome = type(e).__name__
-        violation = ("exception", f"open_store: {type(e).__name__}: {e}\n" +
-                     "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        violation = (
+            "exception",
+            f"open_store: {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        )
     tally.add("url", "url", outcome, time.perf_counter() - t0, repr(url), violation)
 
 
 def part_resp(rng: random.Random, server: HostileServer, envelopes: list[bytes], tally: Tally) -> None:
-    from kvtc.store import open_store, seal
+    from kvtc.store import open_store
 
     server.replies = [reply(rng, envelopes) for _ in range(rng.randrange(1, 4))]
     server.slots = slots_reply(rng, server.port)
@@ -421,8 +597,9 @@ def part_resp(rng: random.Random, server: HostileServer, envelopes: list[bytes],
         outcome, dt, violation = run_ops(store, _ops(store, with_clear=True))
     finally:
         store.close()
-    tally.add("resp", scheme, f"resp ops {outcome}", dt, repr([scheme, server.slots[:200], *server.replies])[:2000],
-              violation)
+    tally.add(
+        "resp", scheme, f"resp ops {outcome}", dt, repr([scheme, server.slots[:200], *server.replies])[:2000], violation
+    )
 
 
 def part_redis(rng: random.Random, server: RealServer, client: Any, envelopes: list[bytes], tally: Tally) -> None:
@@ -433,15 +610,20 @@ def part_redis(rng: random.Random, server: RealServer, client: Any, envelopes: l
     planted = [plant_redis(client, store.redis_key(k), rng, envelopes) for k in keys]
     kinds = [kind for kind, _ in planted]
     # the only hit allowed: an envelope sealed for this namespace and this very key
-    expected = {k: b"payload" if kind in ("envelope", "truncated") and data == seal(NS, k, b"payload") else None
-                for k, (kind, data) in zip(keys, planted)}
+    expected = {
+        k: b"payload" if kind in ("envelope", "truncated") and data == seal(NS, k, b"payload") else None
+        for k, (kind, data) in zip(keys, planted)
+    }
     t0 = time.perf_counter()
     first: list = []
     try:
-        outcome, dt, violation = run_ops(store, [("get_many", lambda: store.get_many(keys), keys)]
-                                         + [("get", (lambda k=k: store.get(k)), []) for k in keys]
-                                         + [("contains", (lambda k=k: store.contains(k)), []) for k in keys],
-                                         first=first)
+        outcome, dt, violation = run_ops(
+            store,
+            [("get_many", lambda: store.get_many(keys), keys)]
+            + [("get", (lambda k=k: store.get(k)), []) for k in keys]
+            + [("contains", (lambda k=k: store.contains(k)), []) for k in keys],
+            first=first,
+        )
         if violation is None and first[0] != expected:
             violation = ("wrong_hit", f"planted {kinds}: get_many gave {first[0]!r:.300}, expected {expected!r:.300}")
         if violation is None:
@@ -450,7 +632,9 @@ def part_redis(rng: random.Random, server: RealServer, client: Any, envelopes: l
                 violation = ("not_replaced", f"put_many over planted {kinds} did not replace them: {ok}")
     finally:
         store.close()
-    tally.add("redis", "+".join(sorted(set(kinds))), f"redis ops {outcome}", time.perf_counter() - t0, repr(kinds), violation)
+    tally.add(
+        "redis", "+".join(sorted(set(kinds))), f"redis ops {outcome}", time.perf_counter() - t0, repr(kinds), violation
+    )
 
 
 def part_file(rng: random.Random, tmp: Path, envelopes: list[bytes], tally: Tally) -> None:
@@ -471,10 +655,16 @@ def part_file(rng: random.Random, tmp: Path, envelopes: list[bytes], tally: Tall
                 pass
 
     t0 = time.perf_counter()
-    ops = [("get_many", lambda: store.get_many(keys), keys)] + [("get", (lambda k=k: store.get(k)), []) for k in keys] \
-        + [("contains", (lambda k=k: store.contains(k)), []) for k in keys] \
-        + [("stats", lambda: store.stats(), []), ("put_many", lambda: store.put_many({k: b"mine" for k in keys}), keys),
-           ("delete", lambda: store.delete(keys[0]), [])]
+    ops = (
+        [("get_many", lambda: store.get_many(keys), keys)]
+        + [("get", (lambda k=k: store.get(k)), []) for k in keys]
+        + [("contains", (lambda k=k: store.contains(k)), []) for k in keys]
+        + [
+            ("stats", lambda: store.stats(), []),
+            ("put_many", lambda: store.put_many({k: b"mine" for k in keys}), keys),
+            ("delete", lambda: store.delete(keys[0]), []),
+        ]
+    )
     first: list = []
     outcome, dt, violation = run_ops(store, ops, unblock, first=first)
     expected = {k: b"payload" if kind == "good" else None for k, kind in zip(keys, kinds)}
@@ -483,8 +673,9 @@ def part_file(rng: random.Random, tmp: Path, envelopes: list[bytes], tally: Tall
     store.close()
     if (tmp / "outside").exists():
         (tmp / "outside").unlink()
-    tally.add("file", "+".join(sorted(set(kinds))), f"file ops {outcome}", time.perf_counter() - t0, repr(kinds),
-              violation)
+    tally.add(
+        "file", "+".join(sorted(set(kinds))), f"file ops {outcome}", time.perf_counter() - t0, repr(kinds), violation
+    )
 
 
 def run(runs: int, seed: int, real_server: bool = True) -> Tally:
@@ -492,8 +683,13 @@ def run(runs: int, seed: int, real_server: bool = True) -> Tally:
 
     rng = random.Random(seed)
     tally = Tally("store", seed)
-    envelopes = [seal(NS, "k0", b"payload"), seal(NS, "other", b"payload"), seal("other:ns", "k0", b"x"),
-                 seal(NS, "k0", b"x")[:-1], seal(NS, "k0", b"x") + b"\x00"]
+    envelopes = [
+        seal(NS, "k0", b"payload"),
+        seal(NS, "other", b"payload"),
+        seal("other:ns", "k0", b"x"),
+        seal(NS, "k0", b"x")[:-1],
+        seal(NS, "k0", b"x") + b"\x00",
+    ]
     try:
         import redis  # noqa: F401
 
@@ -543,16 +739,22 @@ def run(runs: int, seed: int, real_server: bool = True) -> Tally:
     return tally
 
 
-TARGET = ("open_store(url); get/put/contains/get_many/put_many/delete(/clear) on a hostile RESP server, a real "
-          "redis-server's planted keys and a FileStore's planted entry paths")
+TARGET = (
+    "open_store(url); get/put/contains/get_many/put_many/delete(/clear) on a hostile RESP server, a real "
+    "redis-server's planted keys and a FileStore's planted entry paths"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("kvtc").setLevel(logging.CRITICAL)  # every refused entry logs a warning
-    args = campaign_args(__doc__, 1000, argv, lambda ap: ap.add_argument(
-        "--no-real-server", action="store_true", help="skip the real redis-server part"))
+    args = campaign_args(
+        __doc__,
+        1000,
+        argv,
+        lambda ap: ap.add_argument("--no-real-server", action="store_true", help="skip the real redis-server part"),
+    )
     tally = run(args.runs, args.seed, real_server=not args.no_real_server)
     print(write_summary(tally.summary(TARGET, TIME_LIMIT_S, OP_TIMEOUT_S), args.out))
     return 1 if tally.violations else 0

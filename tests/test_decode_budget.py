@@ -105,8 +105,9 @@ def _inflated(codec: Codec, blob: bytes, batch: int, tokens: int) -> bytes:
     expected = codec._expected_sections(header)
     frames = {name: _zeros_frame(n) for name, n in expected.items()}
     sections = [[name, "zstd", expected[name], len(f), zlib.crc32(f)] for name, f in frames.items()]
-    return _reseal(blob, **fields, sections=sections)[: -sum(s.coded for s in header.sections) or None] \
-        + b"".join(frames.values())
+    return _reseal(blob, **fields, sections=sections)[: -sum(s.coded for s in header.sections) or None] + b"".join(
+        frames.values()
+    )
 
 
 @pytest.mark.parametrize("mode", ["kvtc", "identity"])
@@ -128,8 +129,13 @@ def test_header_declaring_a_huge_slice_is_refused_before_allocation(cal, backend
     codec = Codec(cal, ratio=8, sinks=2, window=4, backend=backend)
     lay = cal.layout
     n = 40
-    kv = KVSlice(lay, torch.randn(1, n, 2, 2, 8).bfloat16(), torch.randn(1, n, 2, 2, 8).bfloat16(),
-                 torch.arange(n)[None], model_id="fixture")
+    kv = KVSlice(
+        lay,
+        torch.randn(1, n, 2, 2, 8).bfloat16(),
+        torch.randn(1, n, 2, 2, 8).bfloat16(),
+        torch.arange(n)[None],
+        model_id="fixture",
+    )
     blob = codec.encode(kv)
     assert codec.decode(blob).keys.shape[1] == n  # the honest blob decodes
     for batch, tokens in ((4096, 1 << 22), (1, 1 << 22), (1024, 40)):

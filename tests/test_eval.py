@@ -89,10 +89,12 @@ def tiny_calibration(smollm2, tmp_path_factory):
 
     model, tok = smollm2
     layout, rope = describe_model(model)
-    rows = list(collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512,
-                             progress=False))
-    cal = fit_calibration(layout, rows, Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256),
-                          rope=rope.to_dict())
+    rows = list(
+        collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512, progress=False)
+    )
+    cal = fit_calibration(
+        layout, rows, Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256), rope=rope.to_dict()
+    )
     path = tmp_path_factory.mktemp("cal") / "tiny.safetensors"
     cal.save(path)
     return path
@@ -102,8 +104,21 @@ def test_kvtc_eval_quick_end_to_end(smollm2, tiny_calibration, tmp_path, capsys)
     from kvtc.cli import main
 
     out = tmp_path / "eval"
-    rc = main(["eval", "--quick", "--calibration", str(tiny_calibration), "--context", "512", "--continuation", "32",
-               "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "eval",
+            "--quick",
+            "--calibration",
+            str(tiny_calibration),
+            "--context",
+            "512",
+            "--continuation",
+            "32",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     result = json.loads((out / "eval.json").read_text())
     rows = {r["method"]: r for r in result["storage_roundtrip"]}
@@ -126,10 +141,17 @@ def _row(method: str, curve: str, ratio: float, dppl: float, **kw) -> dict:
 def test_acceptance_compares_curves_only_where_both_exist() -> None:
     from kvtc.eval.suite import acceptance
 
-    kv = [_row("kvtc 7x", "kvtc", 8.1, 0.05, target=7.0), _row("kvtc 16x", "kvtc", 18.0, 1.0, target=16.0),
-          _row("kvtc 32x", "kvtc", 36.0, 3.0, target=32.0)]
-    base = [_row("KIVI 4-bit", "kivi-4bit", 3.2, 0.1), _row("StreamingLLM 8x", "eviction", 8.0, 7.0),
-            _row("StreamingLLM 16x", "eviction", 16.0, 9.0), _row("StreamingLLM 32x", "eviction", 32.0, 11.0)]
+    kv = [
+        _row("kvtc 7x", "kvtc", 8.1, 0.05, target=7.0),
+        _row("kvtc 16x", "kvtc", 18.0, 1.0, target=16.0),
+        _row("kvtc 32x", "kvtc", 36.0, 3.0, target=32.0),
+    ]
+    base = [
+        _row("KIVI 4-bit", "kivi-4bit", 3.2, 0.1),
+        _row("StreamingLLM 8x", "eviction", 8.0, 7.0),
+        _row("StreamingLLM 16x", "eviction", 16.0, 9.0),
+        _row("StreamingLLM 32x", "eviction", 32.0, 11.0),
+    ]
     checks = acceptance({"storage_roundtrip": kv + base})
     # the smallest achieved ratio >= 8 is kvtc's 8x point, whatever its target was called
     assert checks["kvtc_8x_vs_kivi4"]["kvtc_method"] == "kvtc 7x" and checks["kvtc_8x_vs_kivi4"]["pass"]
@@ -179,9 +201,10 @@ def test_greedy_decode_matches_generate_and_continues_a_cache(smollm2, monkeypat
     ids = tok("The State of the Union is strong because", return_tensors="pt", add_special_tokens=False)["input_ids"]
     full = greedy_decode(model, ids, None, 8)
     with torch.inference_mode():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                             do_sample=False)
-    assert torch.equal(full.tokens, ref[:, ids.shape[1]:])
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
+    assert torch.equal(full.tokens, ref[:, ids.shape[1] :])
     assert 0 < full.first_s <= full.total_s
     # on top of a cache holding all but the last prompt token, with an attention mask that keeps everything
     cache = DynamicCache(config=model.config)

@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 
 from kvtc import KVSlice
 from kvtc.calibration import Calibration, Recipe, fit_calibration
-from kvtc.codec import Codec
-from kvtc.codec import container
+from kvtc.codec import Codec, container
 from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError
 
 FIX = Path(__file__).parent / "fixtures"

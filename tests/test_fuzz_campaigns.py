@@ -86,17 +86,37 @@ def test_cli_campaign_runs_and_reports(monkeypatch):
     assert sum(s["violations"].values()) == s["violation_count"] <= 24
     assert "kvtc.assets.load_model" in s["model_guard"]
     for e in s["violation_examples"]:
-        assert e["kind"] in ("exception", "traceback", "exit_code", "stderr_lines", "reached_model", "hang",
-                             "wrote_outside") and e["input"]
+        assert (
+            e["kind"]
+            in ("exception", "traceback", "exit_code", "stderr_lines", "reached_model", "hang", "wrote_outside")
+            and e["input"]
+        )
 
 
 def test_campaign_table_renders():
     mod = _load("campaign")
-    c = {"campaign": "cli", "inputs": 5, "outcomes": {"exit 2": 5}, "violations": {"stderr_lines": 2},
-         "untyped_exceptions": 0, "hangs": 0, "slowest_input_s": 0.01, "skipped": []}
+    c = {
+        "campaign": "cli",
+        "inputs": 5,
+        "outcomes": {"exit 2": 5},
+        "violations": {"stderr_lines": 2},
+        "untyped_exceptions": 0,
+        "hangs": 0,
+        "slowest_input_s": 0.01,
+        "skipped": [],
+    }
     store = {**c, "campaign": "store", "violations": {}, "skipped": ["redis part: no redis-server on PATH"]}
-    table = mod.render({"campaigns": {"cli": c, "store": store}, "date": "d", "machine": "m", "seconds": 1.0,
-                        "command": "python fuzz/campaign.py", "cli_hang_s": 20.0, "versions": {"kvtc": "0"}})
+    table = mod.render(
+        {
+            "campaigns": {"cli": c, "store": store},
+            "date": "d",
+            "machine": "m",
+            "seconds": 1.0,
+            "command": "python fuzz/campaign.py",
+            "cli_hang_s": 20.0,
+            "versions": {"kvtc": "0"},
+        }
+    )
     assert table.startswith(mod.START) and table.endswith(mod.END)
     assert "| CLI (`kvtc.cli.main`) | 5 | exit 2 5 | 0 | 0 | stderr_lines 2 | 0.010 s |" in table
     assert "no redis-server on PATH" in table

@@ -46,8 +46,13 @@ KV = fz._load()
 SEEDS: list[bytes] = KV["seeds"]
 FIXTURE = SEEDS[0]
 
-HYP = settings(max_examples=250, deadline=None, database=None, derandomize=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+HYP = settings(
+    max_examples=250,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 
 
 def check(data: bytes) -> fz.Outcome:
@@ -85,14 +90,22 @@ def test_random_bytes(data):
 
 
 @HYP
-@given(st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF), st.integers(0, 0xFFFFFFFF),
-       st.binary(max_size=2048))
+@given(
+    st.integers(0, 0xFFFF),
+    st.integers(0, 0xFFFF),
+    st.integers(0, 0xFFFFFFFF),
+    st.integers(0, 0xFFFFFFFF),
+    st.binary(max_size=2048),
+)
 def test_random_bytes_behind_a_kvtc_prefix(version, flags, hlen, crc, rest):
     check(struct.pack("<4sHHII", b"KVTC", version % 3, flags % 3, hlen, crc) + rest)
 
 
-_OPS = st.tuples(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "extend"]),
-                 st.integers(0, 1 << 16), st.binary(min_size=1, max_size=32))
+_OPS = st.tuples(
+    st.sampled_from(["flip", "set", "insert", "delete", "truncate", "extend"]),
+    st.integers(0, 1 << 16),
+    st.binary(min_size=1, max_size=32),
+)
 
 
 @HYP
@@ -131,11 +144,18 @@ def test_the_fuzzers_own_mutators(rng):
 
 
 # -------------------------------------------------------------------------- header JSON, valid CRC
-_JSON_LEAF = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.sampled_from(fz.INTERESTING_INTS)
-              | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=40)
-              | st.sampled_from(fz.INTERESTING_STRS))
-JUNK = st.recursive(_JSON_LEAF, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=12), c, max_size=5),
-                    max_leaves=25)
+_JSON_LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 70), 1 << 70)
+    | st.sampled_from(fz.INTERESTING_INTS)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40)
+    | st.sampled_from(fz.INTERESTING_STRS)
+)
+JUNK = st.recursive(
+    _JSON_LEAF, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=12), c, max_size=5), max_leaves=25
+)
 
 
 def _paths(node, path=()):
@@ -232,7 +252,7 @@ def _hostile_cases():
                 d[k] = v
         cases[name] = reseal(d, body_of())
 
-    for big in (1 << 22, (1 << 22) + 1, 1 << 31, 1 << 40, 1 << 63, 10 ** 30):
+    for big in (1 << 22, (1 << 22) + 1, 1 << 31, 1 << 40, 1 << 63, 10**30):
         case(f"tokens_{big}", tokens=big)
         case(f"batch_{big}", batch=big)
         case(f"sinks_window_{big}", sinks=big, window=big)
@@ -277,9 +297,15 @@ HOSTILE = _hostile_cases()
 
 #: headers the container accepts (the values are within its caps and well typed); the decoders refuse them
 #: because the sections do not have the sizes those values imply, or the calibration does not match
-HEADER_ACCEPTS = {"backend_evil", "ratio_nan", "layers_many", "tokens_4194304", "sinks_window_4194304",
-                  "head_dim_4194304", "json_lone_surrogate"} | {
-                     f"layers_{b}" for b in (1 << 22, (1 << 22) + 1, 1 << 31, 1 << 40, 1 << 63, 10 ** 30)}
+HEADER_ACCEPTS = {
+    "backend_evil",
+    "ratio_nan",
+    "layers_many",
+    "tokens_4194304",
+    "sinks_window_4194304",
+    "head_dim_4194304",
+    "json_lone_surrogate",
+} | {f"layers_{b}" for b in (1 << 22, (1 << 22) + 1, 1 << 31, 1 << 40, 1 << 63, 10**30)}
 #: a "\ud800" escape is valid JSON: the blob decodes, with a model id that is not encodable as UTF-8
 DECODES = {"json_lone_surrogate"}
 
@@ -297,10 +323,23 @@ def test_hostile_declared_sizes_and_types_are_rejected_cheaply(name):
 def _identity_blob_with_middle_tokens(batch=1):
     lay = header_dict()["layout"]
     pos = bytes(8 * batch * 3)
-    d = {"mode": "identity", "calibration": None, "model_id": "x", "layout": lay, "batch": batch, "tokens": 3,
-         "sinks": 0, "window": 0, "ratio": None, "packing": "bits",
-         "sections": [["positions", "raw", len(pos), len(pos), zlib.crc32(pos)], ["raw.keys", "raw", 0, 0, 0],
-                      ["raw.values", "raw", 0, 0, 0]]}
+    d = {
+        "mode": "identity",
+        "calibration": None,
+        "model_id": "x",
+        "layout": lay,
+        "batch": batch,
+        "tokens": 3,
+        "sinks": 0,
+        "window": 0,
+        "ratio": None,
+        "packing": "bits",
+        "sections": [
+            ["positions", "raw", len(pos), len(pos), zlib.crc32(pos)],
+            ["raw.keys", "raw", 0, 0, 0],
+            ["raw.values", "raw", 0, 0, 0],
+        ],
+    }
     return reseal(d, pos)
 
 

@@ -17,11 +17,10 @@ from kvtc import KVLayout
 from kvtc.calibration import Recipe, fit_calibration
 from kvtc.codec import Codec
 from kvtc.codec import nvcomp as gpu_entropy
+from kvtc.codec.codec import CODED_TYPES
 from kvtc.codec.entropy import BACKENDS, device_coder
 from kvtc.codec.packing import pack, packed_plane_bytes
-from kvtc.codec.codec import CODED_TYPES
 from kvtc.quant import CLIPS, TYPE_BITS, clippable, dequantize, param_rows, quantize
-
 from synthetic import LowRankSource, make_slice
 
 pytestmark = [
@@ -101,10 +100,16 @@ def setup(request):
     scales = None
     if request.param == "weighted":  # a sensitivity-weighted calibration: distinct encode and decode bases
         g = torch.Generator().manual_seed(5)
-        scales = {k: torch.logspace(-1, 1, 6)[torch.randperm(6, generator=g)].repeat_interleave(64)
-                  for k in ("keys", "values")}
-    cal = fit_calibration(layout, [(ks.rows(2048), vs.rows(2048)) for _ in range(3)],
-                          Recipe(ratios=(4, 16, 64), dp_rows=1024), feature_scale=scales)
+        scales = {
+            k: torch.logspace(-1, 1, 6)[torch.randperm(6, generator=g)].repeat_interleave(64)
+            for k in ("keys", "values")
+        }
+    cal = fit_calibration(
+        layout,
+        [(ks.rows(2048), vs.rows(2048)) for _ in range(3)],
+        Recipe(ratios=(4, 16, 64), dp_rows=1024),
+        feature_scale=scales,
+    )
     kv = make_slice(layout, ks.rows(2 * 700), vs.rows(2 * 700), batch=2)
     return cal, kv
 
@@ -135,8 +140,11 @@ def test_cross_device_blobs_decode_to_the_same_reconstruction(setup, backend, ra
     other = cpu.decode(blob_gpu)
     for x, y in ((ref.keys, other.keys), (ref.values, other.values)):
         num = float((x.float() - y.float()).square().sum())
-        den = float((x.float() - kv.keys.float()).square().sum()) + 1e-30 if x is ref.keys else \
-            float((x.float() - kv.values.float()).square().sum()) + 1e-30
+        den = (
+            float((x.float() - kv.keys.float()).square().sum()) + 1e-30
+            if x is ref.keys
+            else float((x.float() - kv.values.float()).square().sum()) + 1e-30
+        )
         assert num <= 1e-2 * den  # a few symbols may round the other way; never a different plan
 
 
@@ -146,7 +154,7 @@ def test_layer_by_layer_decode_on_gpu_matches_whole_decode(setup):
     gpu = Codec(cal, ratio=16, device="cuda", backend=gpu_entropy.NAME)
     blob = gpu.encode(kv)
     whole = gpu.decode(blob, device="cuda")
-    for i, (layer, k, v) in enumerate(gpu.decode_layers(blob, device="cuda")):
+    for i, (_layer, k, v) in enumerate(gpu.decode_layers(blob, device="cuda")):
         assert k.device.type == "cuda"
         assert torch.allclose(k.float(), whole.keys[:, :, i].float(), atol=1e-2 * float(whole.keys.abs().max()))
         assert torch.allclose(v.float(), whole.values[:, :, i].float(), atol=1e-2 * float(whole.values.abs().max()))
@@ -228,8 +236,16 @@ def test_rebuild_cache_on_gpu_equals_cpu_rebuild():
     transformers = pytest.importorskip("transformers")
     from kvtc.integrations.hf import extract_slice, rebuild_cache
 
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=32, vocab_size=100, rope_theta=10000.0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=100,
+        rope_theta=10000.0,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(0, 100, (2, 50), device="cuda")
@@ -238,8 +254,9 @@ def test_rebuild_cache_on_gpu_equals_cpu_rebuild():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     kv = extract_slice(cache, model)
     gpu = rebuild_cache(kv, model)
-    cpu = rebuild_cache(dataclasses.replace(kv, keys=kv.keys.cpu(), values=kv.values.cpu(),
-                                            positions=kv.positions.cpu()), cfg)
+    cpu = rebuild_cache(
+        dataclasses.replace(kv, keys=kv.keys.cpu(), values=kv.values.cpu(), positions=kv.positions.cpu()), cfg
+    )
     for li in range(3):
         kg, kc = gpu.layers[li].keys, cpu.layers[li].keys
         assert kg.shape == kc.shape

@@ -93,8 +93,14 @@ def test_gpu_decode_of_cpu_streams(coder):
     assert np.array_equal(dec[0].cpu().numpy(), data[0])
 
 
-@pytest.mark.parametrize("cfg", [dict(lanes=32, warps=1, vec=4, prefetch=0), dict(lanes=64, warps=2, vec=8, prefetch=1),
-                                 dict(lanes=128, warps=4, vec=8, prefetch=1)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(lanes=32, warps=1, vec=4, prefetch=0),
+        dict(lanes=64, warps=2, vec=8, prefetch=1),
+        dict(lanes=128, warps=4, vec=8, prefetch=1),
+    ],
+)
 def test_kernel_settings(coder, cfg, monkeypatch):
     """Every launch setting the benchmark sweeps writes and reads the same bytes."""
     from kvtc.kernels import triton_huffman as K
@@ -157,10 +163,15 @@ def test_read_sections_mixed_backends(coder):
     from kvtc.codec.entropy import encode_stream
 
     raw = {"a": _int2(4096 * 3 + 1, 6).tobytes(), "b": b"xyz" * 100, "c": _int4(5000, 7).tobytes()}
-    coded = {"a": (H.NAME, H.cpu_compress(raw["a"])), "b": encode_stream(raw["b"], "zlib"),
-             "c": (H.NAME, H.cpu_compress(raw["c"]))}
-    sections = [types.SimpleNamespace(name=k, backend=v[0], raw=len(raw[k]), coded=len(v[1]), crc32=zlib.crc32(v[1]))
-                for k, v in coded.items()]
+    coded = {
+        "a": (H.NAME, H.cpu_compress(raw["a"])),
+        "b": encode_stream(raw["b"], "zlib"),
+        "c": (H.NAME, H.cpu_compress(raw["c"])),
+    }
+    sections = [
+        types.SimpleNamespace(name=k, backend=v[0], raw=len(raw[k]), coded=len(v[1]), crc32=zlib.crc32(v[1]))
+        for k, v in coded.items()
+    ]
     header = types.SimpleNamespace(sections=sections)
     blob = b"HDR" + b"".join(v[1] for v in coded.values())
     from kvtc.codec.container import read_sections

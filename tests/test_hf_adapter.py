@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import TINY, build, gemma3_small_window, pre_rope_key_hooks
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DynamicCache
 
 from kvtc.errors import LayoutError, UnsupportedModel
 from kvtc.integrations.hf import describe_model, extract_slice, rebuild_cache, rope_spec_from_config
 from kvtc.layout import KVSlice
+from tiny_models import TINY, build, gemma3_small_window, pre_rope_key_hooks
 
 NAMES = sorted(TINY)
 LOGIT_TOL = 1e-4
@@ -266,4 +266,4 @@ def test_the_adapter_cache_does_not_keep_models_alive():
     gc.collect()
     assert config() is None and key not in _ADAPTERS
     with pytest.raises(UnsupportedModel, match="no longer exists"):
-        adapter.config
+        _ = adapter.config

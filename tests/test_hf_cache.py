@@ -8,13 +8,12 @@ import os
 
 import pytest
 import torch
-from fixtures_smollm2 import heldout, small_calibration  # noqa: F401
-from tiny_models import build, gemma3
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from fixtures_smollm2 import heldout, small_calibration  # noqa: F401
+from kvtc import fileio
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError, StoreError
-from kvtc import fileio
 from kvtc.integrations.hf import (
     ModelAdapter,
     adapter_for,
@@ -25,6 +24,7 @@ from kvtc.integrations.hf import (
     restore_cache,
     save_blob,
 )
+from tiny_models import build, gemma3
 
 #: greedy tokens that must match exactly after a lossless round trip (acceptance 2)
 GREEDY_TOKENS = 32
@@ -122,9 +122,10 @@ def prompt_ids(smollm2, heldout):
 
 def greedy(model, ids, cache):
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                             do_sample=False)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            ids, past_key_values=cache, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False
+        )
+    return out[:, ids.shape[1] :]
 
 
 def prefix_cache(model, ids):
@@ -169,8 +170,10 @@ def test_smollm2_16x_ratio_and_continuation(smollm2, heldout, context_cache, sma
     adapter, builds = adapter_for(model), ModelAdapter.builds
     blob = compress_cache(context_cache, model, calibration=small_calibration, ratio=16)
     info = Codec.inspect(blob)
-    print(f"16x on 2,048 held-out tokens: codec ratio {info['codec_ratio']:.2f}, whole-cache ratio "
-          f"{info['whole_cache_ratio']:.2f}, {len(blob)} bytes")
+    print(
+        f"16x on 2,048 held-out tokens: codec ratio {info['codec_ratio']:.2f}, whole-cache ratio "
+        f"{info['whole_cache_ratio']:.2f}, {len(blob)} bytes"
+    )
     assert info["tokens"] == 2048 and info["middle_tokens"] == 2048 - 4 - 128
     assert info["layout"]["dtype"] == "bfloat16"
     assert info["codec_ratio"] >= 16
@@ -237,8 +240,9 @@ def test_corrupt_or_truncated_blob_is_refused(smollm2, small_calibration, blob_3
     path = tmp_path / "bad.kvtc"
     path.write_bytes(bytes(data))
     with pytest.raises(FormatError):
-        restore_cache(load_blob(path), smollm2[0], small_calibration) if damage != "flip_section" else \
-            restore_cache(bytes(data), smollm2[0], small_calibration)
+        restore_cache(load_blob(path), smollm2[0], small_calibration) if damage != "flip_section" else restore_cache(
+            bytes(data), smollm2[0], small_calibration
+        )
 
 
 # ---------------------------------------------------------------------------------------- save_blob

@@ -54,8 +54,12 @@ def reference_encode(data: bytes) -> bytes:
         counts.append(nw)
         words += [(acc >> (32 * k)) & 0xFFFFFFFF for k in range(nw)]
     nib = bytes(int(lengths[2 * i]) | int(lengths[2 * i + 1]) << 4 for i in range(128))
-    return (nib + struct.pack("<I", len(counts)) + struct.pack(f"<{len(counts)}H", *counts)
-            + struct.pack(f"<{len(words)}I", *words))
+    return (
+        nib
+        + struct.pack("<I", len(counts))
+        + struct.pack(f"<{len(counts)}H", *counts)
+        + struct.pack(f"<{len(words)}I", *words)
+    )
 
 
 def huffman_cost(hist: np.ndarray) -> int:
@@ -215,10 +219,14 @@ def test_code_lengths_limited_optimal_deterministic():
 def test_code_lengths_batch_rows_independent():
     """The GPU coder builds every stream's lengths in one batch: each row equals the single-stream result."""
     r = np.random.default_rng(8)
-    rows = [np.zeros(256, dtype=np.int64), np.eye(256, dtype=np.int64)[17] * 9,
-            np.bincount(np.frombuffer(packed_int2(20000), dtype=np.uint8), minlength=256),
-            np.bincount(np.frombuffer(packed_int4(20000), dtype=np.uint8), minlength=256),
-            r.integers(1, 3, 256), np.where(r.random(256) < 0.1, r.integers(1, 10**9, 256), 0)]
+    rows = [
+        np.zeros(256, dtype=np.int64),
+        np.eye(256, dtype=np.int64)[17] * 9,
+        np.bincount(np.frombuffer(packed_int2(20000), dtype=np.uint8), minlength=256),
+        np.bincount(np.frombuffer(packed_int4(20000), dtype=np.uint8), minlength=256),
+        r.integers(1, 3, 256),
+        np.where(r.random(256) < 0.1, r.integers(1, 10**9, 256), 0),
+    ]
     batch = H.code_lengths_batch(np.stack(rows))
     for h, b in zip(rows, batch):
         assert (H.code_lengths(h) == b).all()

@@ -58,8 +58,9 @@ CHECK = textwrap.dedent(
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
 def test_rope_kernel_matches_reference_in_triton_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", CHECK.format(dev="cpu")], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", CHECK.format(dev="cpu")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 

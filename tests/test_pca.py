@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from kvtc.calibration.pca import CovarianceAccumulator, fit_pca
-
 from synthetic import LowRankSource
 
 

@@ -81,11 +81,30 @@ def test_the_hash_changes_with_what_decoding_depends_on(cal):
     assert len({c.hash for c in changed.values()}) == len(changed)
     # what only describes the fit leaves it alone: eigenvalues, the DP's predicted error, explicit clips of 1
     same = {
-        "eigenvalues": _with(cal, pcas={**cal.pcas, "keys": [dataclasses.replace(pca, eigenvalues=pca.eigenvalues * 2)]}),
-        "predicted error": _with(cal, plans={**cal.plans, "8": {**cal.plans["8"], "keys": [
-            dataclasses.replace(plan, predicted_error=plan.predicted_error + 1, rows=1, exact=not plan.exact)]}}),
-        "clips of 1": _with(cal, plans={**cal.plans, "8": {**cal.plans["8"], "keys": [
-            dataclasses.replace(plan, clips=tuple(plan.kept_clips()))]}}),
+        "eigenvalues": _with(
+            cal, pcas={**cal.pcas, "keys": [dataclasses.replace(pca, eigenvalues=pca.eigenvalues * 2)]}
+        ),
+        "predicted error": _with(
+            cal,
+            plans={
+                **cal.plans,
+                "8": {
+                    **cal.plans["8"],
+                    "keys": [
+                        dataclasses.replace(
+                            plan, predicted_error=plan.predicted_error + 1, rows=1, exact=not plan.exact
+                        )
+                    ],
+                },
+            },
+        ),
+        "clips of 1": _with(
+            cal,
+            plans={
+                **cal.plans,
+                "8": {**cal.plans["8"], "keys": [dataclasses.replace(plan, clips=tuple(plan.kept_clips()))]},
+            },
+        ),
     }
     for what, c in same.items():
         assert c.hash == cal.hash, what
@@ -123,9 +142,22 @@ def test_older_files_keep_their_hash_and_version():
 
 
 def test_recipe_validation_names_the_field_the_value_and_the_fix():
-    bad = {"ratios": (8, -1), "dp_rows": 0, "tokens": 2.5, "kv_split": "halves", "sensitivity": "adam",
-           "sampling": "last", "types": (99,), "sizes": (0,), "value_weight": float("nan"), "method": "svd",
-           "sensitivity_floor": 0, "grouping": "global", "seed": -1, "window": 4}
+    bad = {
+        "ratios": (8, -1),
+        "dp_rows": 0,
+        "tokens": 2.5,
+        "kv_split": "halves",
+        "sensitivity": "adam",
+        "sampling": "last",
+        "types": (99,),
+        "sizes": (0,),
+        "value_weight": float("nan"),
+        "method": "svd",
+        "sensitivity_floor": 0,
+        "grouping": "global",
+        "seed": -1,
+        "window": 4,
+    }
     for field, value in bad.items():
         with pytest.raises(CalibrationError, match=f"recipe field {field}=") as e:
             Recipe(**{field: value})
@@ -137,7 +169,9 @@ def test_recipe_validation_names_the_field_the_value_and_the_fix():
 
 
 def test_recipes_are_values_and_the_default_ones_have_names():
-    assert Recipe() == Recipe(ratios=[64, 6.0, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 8]) and hash(Recipe()) == hash(Recipe())
+    assert Recipe() == Recipe(ratios=[64, 6.0, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 8]) and hash(Recipe()) == hash(
+        Recipe()
+    )
     assert Recipe().ratios == tuple(sorted(Recipe().ratios))
     assert Recipe().name == "r8" and Recipe(tokens=4096).name == "r8"
     assert Recipe(sensitivity="none").name == "r8u"

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import TINY, build, pre_rope_key_hooks
 
 from kvtc.errors import FormatError, LayoutError, UnsupportedModel
 from kvtc.integrations.hf import rope_spec_from_config
 from kvtc.rope import RopeKind, RopeSpec
+from tiny_models import TINY, build, pre_rope_key_hooks
 
 TOL = 1e-5
 NAMES = sorted(TINY)

@@ -13,7 +13,6 @@ from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_s
 from kvtc.calibration.dp import PAPER_TYPES
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
-
 from synthetic import LowRankSource, make_slice
 
 LAYOUT = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=16)  # p = 64, four (layer, head) blocks of 16
@@ -83,9 +82,16 @@ def test_weighted_calibration_lowers_the_weighted_error_at_the_same_bytes(cals) 
             blob = codec.encode(kv)
             out = codec.decode(blob)
             got[name] = (
-                sum(_weighted_err(getattr(kv, kd).float().reshape(-1, P), getattr(out, kd).float().reshape(-1, P),
-                                  scales[kd]) for kd in ("keys", "values")),
-                sum(float((getattr(kv, kd).double() - getattr(out, kd).double()).square().sum()) for kd in ("keys", "values")),
+                sum(
+                    _weighted_err(
+                        getattr(kv, kd).float().reshape(-1, P), getattr(out, kd).float().reshape(-1, P), scales[kd]
+                    )
+                    for kd in ("keys", "values")
+                ),
+                sum(
+                    float((getattr(kv, kd).double() - getattr(out, kd).double()).square().sum())
+                    for kd in ("keys", "values")
+                ),
                 sum(cal.plan(ratio, kd, 0).bits_per_token for kd in ("keys", "values")),  # the plans' bits
             )
         # same bit budget, and each calibration wins on the error it minimises
@@ -117,7 +123,7 @@ def test_layer_by_layer_decode_uses_the_weighted_decode_basis(cals) -> None:
     codec = Codec(weighted, 8, sinks=4, window=16)
     blob = codec.encode(kv)
     whole = codec.decode(blob)
-    for li, (layer, lk, lv) in enumerate(codec.decode_layers(blob)):
+    for li, (_layer, lk, lv) in enumerate(codec.decode_layers(blob)):
         assert torch.allclose(lk.float(), whole.keys[:, :, li].float(), atol=1e-4, rtol=1e-4)
         assert torch.allclose(lv.float(), whole.values[:, :, li].float(), atol=1e-4, rtol=1e-4)
 
@@ -155,14 +161,20 @@ def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it()
     k, v = _rows(0)
     scales = _scales()
     plain = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES))
-    weighted = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES),
-                               feature_scale=scales)
+    weighted = fit_calibration(
+        LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES), feature_scale=scales
+    )
     ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8, 16), dp_rows=512), feature_scale=scales)
     assert not plain.extended_types and not weighted.extended_types and ours.extended_types
     for cal, version in ((plain, 1), (weighted, 2), (ours, 3)):
         assert json.loads(_meta(cal.to_bytes()))["version"] == 4
-        old = Calibration(**{f: getattr(cal, f) for f in ("layout", "grouping", "pcas", "plans", "rope", "model_id",
-                                                          "corpus", "stats")}, legacy=True)
+        old = Calibration(
+            **{
+                f: getattr(cal, f)
+                for f in ("layout", "grouping", "pcas", "plans", "rope", "model_id", "corpus", "stats")
+            },
+            legacy=True,
+        )
         data = old.to_bytes()
         assert json.loads(_meta(data))["version"] == version and "checksum" not in json.loads(_meta(data))
         back = Calibration.from_bytes(data)
@@ -177,11 +189,15 @@ def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it()
 def test_weighted_split_sums_the_weighted_errors(cals) -> None:
     # with scales that keep the loss's K-vs-V proportion, the joint split can sum weighted errors instead
     k, v = _rows(0)
-    joint = sensitivity_scales({"keys": torch.full((P,), 1.0), "values": torch.full((P,), 100.0)}, "feature",
-                               normalize="joint")
-    cal = fit_calibration(LAYOUT, [(k, v)],
-                          Recipe(ratios=(8,), dp_rows=512, split_errors="weighted", value_weight=1.0),
-                          feature_scale=joint)
+    joint = sensitivity_scales(
+        {"keys": torch.full((P,), 1.0), "values": torch.full((P,), 100.0)}, "feature", normalize="joint"
+    )
+    cal = fit_calibration(
+        LAYOUT,
+        [(k, v)],
+        Recipe(ratios=(8,), dp_rows=512, split_errors="weighted", value_weight=1.0),
+        feature_scale=joint,
+    )
     rel = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512), feature_scale=joint)
     assert cal.stats["kv_split"]["errors"] == "weighted"
     # values weigh 100x more in the summed error: they get a larger share than the relative split gives them
@@ -192,9 +208,12 @@ def test_weighted_split_sums_the_weighted_errors(cals) -> None:
 
 def test_bad_feature_scales_are_refused() -> None:
     k, v = _rows(4, 256)
-    for bad in ({"keys": torch.ones(P)}, {"keys": torch.ones(P), "values": torch.zeros(P)},
-                {"keys": torch.ones(P - 1), "values": torch.ones(P - 1)},
-                {"keys": torch.full((P,), float("nan")), "values": torch.ones(P)}):
+    for bad in (
+        {"keys": torch.ones(P)},
+        {"keys": torch.ones(P), "values": torch.zeros(P)},
+        {"keys": torch.ones(P - 1), "values": torch.ones(P - 1)},
+        {"keys": torch.full((P,), float("nan")), "values": torch.ones(P)},
+    ):
         with pytest.raises(CalibrationError, match="feature_scale"):
             fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(4,)), feature_scale=bad)
 
@@ -223,8 +242,9 @@ def test_measured_sensitivity_predicts_which_heads_the_loss_feels(smollm2, sotu_
 
     model, tok = smollm2
     ctx, cont = 320, 48
-    sens = measure_sensitivity(model, tok, sotu_calib_texts, windows=2, context=ctx, continuation=cont,
-                               sinks=4, recent=64, progress=False)
+    sens = measure_sensitivity(
+        model, tok, sotu_calib_texts, windows=2, context=ctx, continuation=cont, sinks=4, recent=64, progress=False
+    )
     layout = extract_slice(_prefill(model, torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])), model).layout
     assert set(sens) == {"keys", "values"}
     for kd in ("keys", "values"):
@@ -249,8 +269,11 @@ def test_measured_sensitivity_predicts_which_heads_the_loss_feels(smollm2, sotu_
 
     cache = rebuild_cache(kv, model)
     with torch.inference_mode():
-        base = float(torch.nn.functional.cross_entropy(
-            model(input_ids=ids[None, ctx:-1], past_key_values=cache, use_cache=True).logits[0].float(), targets))
+        base = float(
+            torch.nn.functional.cross_entropy(
+                model(input_ids=ids[None, ctx:-1], past_key_values=cache, use_cache=True).logits[0].float(), targets
+            )
+        )
     d_hi, d_lo = abs(loss_with_noise(*hi) - base), abs(loss_with_noise(*lo) - base)
     assert d_hi > 5 * d_lo, (hi, lo, d_hi, d_lo)
 
@@ -271,10 +294,18 @@ def test_weighted_rows_stream_one_chunk_at_a_time() -> None:
     k, v = next(it)
     assert pulled == [0] and torch.allclose(k[0], scales["keys"])
     k, v = _rows(5, 512)
-    gen_cal = fit_calibration(LAYOUT, ((k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)),
-                              Recipe(ratios=(4,), dp_rows=512), feature_scale=scales)
-    list_cal = fit_calibration(LAYOUT, [(k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)],
-                               Recipe(ratios=(4,), dp_rows=512), feature_scale=scales)
+    gen_cal = fit_calibration(
+        LAYOUT,
+        ((k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)),
+        Recipe(ratios=(4,), dp_rows=512),
+        feature_scale=scales,
+    )
+    list_cal = fit_calibration(
+        LAYOUT,
+        [(k[i : i + 128], v[i : i + 128]) for i in range(0, 512, 128)],
+        Recipe(ratios=(4,), dp_rows=512),
+        feature_scale=scales,
+    )
     assert torch.equal(gen_cal.pcas["keys"][0].basis, list_cal.pcas["keys"][0].basis)
 
 

@@ -37,9 +37,15 @@ NS_B = "HuggingFaceTB/SmolLM2-135M:calib-bbbb"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
-@pytest.fixture(params=["file", "memory", pytest.param("redis", marks=pytest.mark.redis),
-                        pytest.param("redis-cluster", marks=pytest.mark.redis),
-                        pytest.param("valkey-cluster", marks=pytest.mark.redis)])
+@pytest.fixture(
+    params=[
+        "file",
+        "memory",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("redis-cluster", marks=pytest.mark.redis),
+        pytest.param("valkey-cluster", marks=pytest.mark.redis),
+    ]
+)
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Store]]:
     """Opens stores of one kind (all sharing one backend) for a namespace; closes them afterwards.
     The cluster kinds are three masters in cluster mode (see tests/redis_server.py)."""
@@ -108,8 +114,16 @@ def test_namespaces_are_isolated(make_store: Callable[..., Store]) -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "delete", "contains"]),
-                              st.sampled_from(["a", "b", "c", "d"]), st.binary(max_size=64)), max_size=30))
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "delete", "contains"]),
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.binary(max_size=64),
+        ),
+        max_size=30,
+    )
+)
 def test_behaves_like_a_dict(make_store: Callable[..., Store], ops: list[tuple[str, str, bytes]]) -> None:
     store = make_store(f"model:{uuid.uuid4()}")  # a fresh namespace per example
     model: dict[str, bytes] = {}
@@ -138,8 +152,7 @@ def test_envelope_layout_is_fixed() -> None:
     assert blob[36:] == b"m:ck1payload" and len(blob) == HEADER_SIZE + 12
     # A byte-exact fixture: changing the format must be deliberate (and bump the version).
     assert blob.hex() == (
-        "4b565453" "01" "00" "0300" "0200" "0000" "0700000000000000"
-        "c9adf280b8761606564d4ae9b4812457" "6d3a63" "6b31" "7061796c6f6164"
+        "4b56545301000300020000000700000000000000c9adf280b8761606564d4ae9b48124576d3a636b317061796c6f6164"
     )
     assert unseal("m:c", "k1", blob) == b"payload"
 
@@ -202,8 +215,11 @@ def test_file_layout_and_shared_usage(tmp_path: Path) -> None:
 def test_lru_evicts_least_recently_used(tmp_path: Path, kind: str) -> None:
     size = 1000
     entry = len(seal(NS_A, "k0", bytes(size))) if kind == "file" else size
-    store: Store = (FileStore(tmp_path, NS_A, max_bytes=3 * entry, evict_to=1.0) if kind == "file"
-                    else MemoryStore(NS_A, max_bytes=3 * entry))
+    store: Store = (
+        FileStore(tmp_path, NS_A, max_bytes=3 * entry, evict_to=1.0)
+        if kind == "file"
+        else MemoryStore(NS_A, max_bytes=3 * entry)
+    )
     for key in ("k0", "k1", "k2"):
         assert store.put(key, bytes(size))
     assert store.get("k0") is not None  # k0 is now the most recent; k1 the least
@@ -247,8 +263,9 @@ def test_oversized_entry_is_refused_without_evicting(tmp_path: Path, caplog: pyt
         pytest.param(lambda p: p.write_bytes(os.urandom(5000)), id="garbage"),
     ],
 )
-def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: Callable[[Path], None],
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_damaged_file_is_a_miss_and_removed(
+    tmp_path: Path, damage: Callable[[Path], None], caplog: pytest.LogCaptureFixture
+) -> None:
     store = FileStore(tmp_path, NS_A)
     assert store.put("victim", os.urandom(4000)) and store.put("bystander", b"fine")
     path = store.path_of("victim")
@@ -436,7 +453,8 @@ def test_redis_refused_write_is_false(redis_url: str) -> None:
 
 @pytest.mark.redis
 def test_redis_outage_degrades_to_misses_and_recovers(
-    own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture  # noqa: F811
+    own_redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,  # noqa: F811
 ) -> None:
     store = open_store(own_redis_server.url + "?retry_interval=0.2", NS_A)
     assert store.put("chunk-0", b"kv") and store.get("chunk-0") == b"kv"

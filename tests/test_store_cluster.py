@@ -127,8 +127,17 @@ def test_master_killed_under_four_processes(local_cluster: LocalCluster) -> None
     resume after the restart."""
     from store_concurrency import collect_workers, start_workers, summarize
 
-    cfg = {"procs": 4, "seconds": 12.0, "keys": 48, "min_value": 1 << 10, "max_value": 16 << 10,
-           "write_fraction": 0.4, "seed": 7, "warmup": 2.0, "trace": True}
+    cfg = {
+        "procs": 4,
+        "seconds": 12.0,
+        "keys": 48,
+        "min_value": 1 << 10,
+        "max_value": 16 << 10,
+        "write_fraction": 0.4,
+        "seed": 7,
+        "warmup": 2.0,
+        "trace": True,
+    }
     url = local_cluster.url + "?retry_interval=0.5"
     probe = open_store(url, NS)
     owner = {i: local_cluster.owner(probe.redis_key(f"chunk-{i}").encode()) for i in range(cfg["keys"])}
@@ -152,10 +161,12 @@ def test_master_killed_under_four_processes(local_cluster: LocalCluster) -> None
     others_down = gets(killed_at + 0.2, restart_at, dead=False)
     dead_down = gets(killed_at + 0.2, restart_at, dead=True)
     dead_after = gets(whole_at + 1.0, float("inf"), dead=True)
-    print(f"\n{local_cluster.kind} cluster, master 1 down {restart_at - killed_at:.1f} s: other masters' keys "
-          f"{sum(others_down)}/{len(others_down)} gets hit; its keys {sum(dead_down)}/{len(dead_down)}; after the "
-          f"restart {sum(dead_after)}/{len(dead_after)}; {result['corrupt_reads']} corrupt reads, "
-          f"{result['store_errors']} errors counted, {result['put_failures']} puts refused")
+    print(
+        f"\n{local_cluster.kind} cluster, master 1 down {restart_at - killed_at:.1f} s: other masters' keys "
+        f"{sum(others_down)}/{len(others_down)} gets hit; its keys {sum(dead_down)}/{len(dead_down)}; after the "
+        f"restart {sum(dead_after)}/{len(dead_after)}; {result['corrupt_reads']} corrupt reads, "
+        f"{result['store_errors']} errors counted, {result['put_failures']} puts refused"
+    )
     assert len(others_down) > 50 and sum(others_down) / len(others_down) > 0.9, (len(others_down), sum(others_down))
     assert dead_down and not any(dead_down)  # its data died with it: only misses, and no exception
     assert dead_after and any(dead_after), len(dead_after)

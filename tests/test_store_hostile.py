@@ -25,20 +25,76 @@ FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 # -- URLs ------------------------------------------------------------------------------------
 
-OPTION_NAMES = ["ttl", "timeout", "retry_interval", "prefix", "max_bytes", "evict_to", "tmp_grace", "sweep_interval",
-                "budget", ""]
+OPTION_NAMES = [
+    "ttl",
+    "timeout",
+    "retry_interval",
+    "prefix",
+    "max_bytes",
+    "evict_to",
+    "tmp_grace",
+    "sweep_interval",
+    "budget",
+    "",
+]
 NUMBERS = st.one_of(
-    st.sampled_from(["inf", "-inf", "nan", "1e400", "-0", "0", "1e-300", "0x10", "1_000", " 5", "٣", "1e308",
-                     "99999999999999999999999999", "18446744073709551616", "64MiB", "2G", "1k", "-1", "", "%00"]),
+    st.sampled_from(
+        [
+            "inf",
+            "-inf",
+            "nan",
+            "1e400",
+            "-0",
+            "0",
+            "1e-300",
+            "0x10",
+            "1_000",
+            " 5",
+            "٣",
+            "1e308",
+            "99999999999999999999999999",
+            "18446744073709551616",
+            "64MiB",
+            "2G",
+            "1k",
+            "-1",
+            "",
+            "%00",
+        ]
+    ),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.integers(min_value=-(10**30), max_value=10**30).map(str),
     st.text(max_size=12),
 )
 QUERY = st.lists(st.tuples(st.sampled_from(OPTION_NAMES), NUMBERS), max_size=4).map(
-    lambda pairs: "&".join(f"{k}={v}" for k, v in pairs))
+    lambda pairs: "&".join(f"{k}={v}" for k, v in pairs)
+)
 NETLOC = st.one_of(
-    st.sampled_from(["", "h", "h:1", "h:0", "h:65536", "h:-1", "h:x", "[::1]:7000", "[::1", "::1]", "u:p@h:1",
-                     "a:1,b:2", "a:1,,b", ",", "@", "h:1:2", "%zz", "h%00", "a b", "[]:1", "h:" + "9" * 30]),
+    st.sampled_from(
+        [
+            "",
+            "h",
+            "h:1",
+            "h:0",
+            "h:65536",
+            "h:-1",
+            "h:x",
+            "[::1]:7000",
+            "[::1",
+            "::1]",
+            "u:p@h:1",
+            "a:1,b:2",
+            "a:1,,b",
+            ",",
+            "@",
+            "h:1:2",
+            "%zz",
+            "h%00",
+            "a b",
+            "[]:1",
+            "h:" + "9" * 30,
+        ]
+    ),
     st.text(max_size=20),
 )
 
@@ -53,13 +109,18 @@ def _check(url: str) -> Store | None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=FIXTURES)
-@given(scheme=st.sampled_from(["memory", "redis", "rediss", "redis+cluster", "rediss+cluster", "REDIS", "ftp",
-                               "valkey", "s3"]),
-       netloc=NETLOC, path=st.one_of(st.sampled_from(["", "/", "/0", "/3", "/x", "/-1", "/99999999999", "/0/1"]),
-                                     st.text(max_size=10)),
-       query=QUERY, tail=st.sampled_from(["", "#frag", "?", "?&", "?a", "?=1"]))
-def test_any_url_opens_a_store_or_raises_store_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str,
-                                                     netloc: str, path: str, query: str, tail: str) -> None:
+@given(
+    scheme=st.sampled_from(
+        ["memory", "redis", "rediss", "redis+cluster", "rediss+cluster", "REDIS", "ftp", "valkey", "s3"]
+    ),
+    netloc=NETLOC,
+    path=st.one_of(st.sampled_from(["", "/", "/0", "/3", "/x", "/-1", "/99999999999", "/0/1"]), st.text(max_size=10)),
+    query=QUERY,
+    tail=st.sampled_from(["", "#frag", "?", "?&", "?a", "?=1"]),
+)
+def test_any_url_opens_a_store_or_raises_store_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str, netloc: str, path: str, query: str, tail: str
+) -> None:
     monkeypatch.chdir(tmp_path)  # a URL read as a plain path would make its directory here
     store = _check(f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "") + tail)
     if store is not None:  # opening connects to nothing: Redis stores connect on first use
@@ -91,8 +152,17 @@ def test_redis_options_never_break_get_and_put(redis_url: str, query: str) -> No
 RAW_VALUES = st.one_of(
     st.tuples(st.just("string"), st.binary(max_size=300)),
     st.tuples(st.just("string"), st.binary(max_size=60).map(lambda b: b"KVTS\x01\x00" + b)),
-    st.tuples(st.just("string"), st.sampled_from([seal(NS, "other", b"x"), seal("other:ns", "k0", b"x"),
-                                                  seal(NS, "k0", b"x")[:-1], seal(NS, "k0", b"x") + b"\x00"])),
+    st.tuples(
+        st.just("string"),
+        st.sampled_from(
+            [
+                seal(NS, "other", b"x"),
+                seal("other:ns", "k0", b"x"),
+                seal(NS, "k0", b"x")[:-1],
+                seal(NS, "k0", b"x") + b"\x00",
+            ]
+        ),
+    ),
     st.tuples(st.sampled_from(["list", "hash", "set", "zset", "stream", "int"]), st.binary(min_size=1, max_size=20)),
 )
 
@@ -131,14 +201,16 @@ def planted(request: pytest.FixtureRequest) -> tuple[str, Callable[[str, str, by
     def plant(name: str, kind: str, data: bytes) -> None:
         with cluster.client(cluster.owner(name.encode())) as c:
             _plant(c, name, kind, data)
+
     return url, plant
 
 
 @pytest.mark.redis
 @settings(max_examples=40, deadline=None, suppress_health_check=FIXTURES)
 @given(values=st.lists(RAW_VALUES, min_size=1, max_size=5))
-def test_whatever_a_key_holds_is_a_miss(planted, values: list[tuple[str, bytes]],
-                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_whatever_a_key_holds_is_a_miss(
+    planted, values: list[tuple[str, bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
     url, plant = planted
     store = open_store(url, NS)
     keys = [f"k{i}" for i in range(len(values))]
@@ -228,14 +300,36 @@ def _line(b: bytes) -> bytes:
 LEAF = st.one_of(
     st.binary(max_size=30).map(lambda b: b"+" + _line(b) + b"\r\n"),
     st.binary(max_size=30).map(lambda b: b"-" + _line(b) + b"\r\n"),
-    st.sampled_from([b"-MOVED\r\n", b"-MOVED x\r\n", b"-MOVED 1 127.0.0.1:1\r\n", b"-ASK 99999 :\r\n",
-                     b"-CLUSTERDOWN The cluster is down\r\n", b"-WRONGTYPE x\r\n", b"-LOADING\r\n", b"-TRYAGAIN\r\n",
-                     b"-OOM\r\n", b"$-1\r\n", b"*-1\r\n", b"_\r\n", b"%1\r\n+a\r\n+b\r\n", b"$5\r\nab\r\n",
-                     b"$99999999999\r\n", b":x\r\n", b"*x\r\n", b"\r\n", b"+OK\r\n", b":1\r\n", b":0\r\n"]),
+    st.sampled_from(
+        [
+            b"-MOVED\r\n",
+            b"-MOVED x\r\n",
+            b"-MOVED 1 127.0.0.1:1\r\n",
+            b"-ASK 99999 :\r\n",
+            b"-CLUSTERDOWN The cluster is down\r\n",
+            b"-WRONGTYPE x\r\n",
+            b"-LOADING\r\n",
+            b"-TRYAGAIN\r\n",
+            b"-OOM\r\n",
+            b"$-1\r\n",
+            b"*-1\r\n",
+            b"_\r\n",
+            b"%1\r\n+a\r\n+b\r\n",
+            b"$5\r\nab\r\n",
+            b"$99999999999\r\n",
+            b":x\r\n",
+            b"*x\r\n",
+            b"\r\n",
+            b"+OK\r\n",
+            b":1\r\n",
+            b":0\r\n",
+        ]
+    ),
     st.integers(min_value=-(2**70), max_value=2**70).map(lambda i: b":%d\r\n" % i),
     st.binary(max_size=120).map(lambda b: b"$%d\r\n%s\r\n" % (len(b), b)),
     st.sampled_from([seal(NS, "k0", b"payload"), seal(NS, "other", b"payload")]).map(
-        lambda b: b"$%d\r\n%s\r\n" % (len(b), b)),
+        lambda b: b"$%d\r\n%s\r\n" % (len(b), b)
+    ),
     st.binary(max_size=12),  # not RESP at all
 )
 TREE = st.recursive(LEAF, lambda children: st.lists(children, max_size=4).map(_resp), max_leaves=16)
@@ -248,21 +342,40 @@ def _slot_replies(port: int) -> st.SearchStrategy[bytes]:
     or unusable, so that nothing here ever reaches another machine."""
     here = b"$9\r\n127.0.0.1\r\n:%d\r\n" % port
     good = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n" + here
-    hosts = st.sampled_from([b"$0\r\n\r\n", b"$1\r\n?\r\n", b"$9\r\n127.0.0.1\r\n", b"$2\r\n\xff\xfe\r\n",
-                             b"$4\r\na b\x00\r\n", b":1\r\n", b"*0\r\n"])
+    hosts = st.sampled_from(
+        [
+            b"$0\r\n\r\n",
+            b"$1\r\n?\r\n",
+            b"$9\r\n127.0.0.1\r\n",
+            b"$2\r\n\xff\xfe\r\n",
+            b"$4\r\na b\x00\r\n",
+            b":1\r\n",
+            b"*0\r\n",
+        ]
+    )
     ports = st.sampled_from([b":%d\r\n" % port, b":0\r\n", b":-1\r\n", b":70000\r\n", b"$4\r\n6379\r\n", b"$-1\r\n"])
     slot = st.sampled_from([b":0\r\n", b":16383\r\n", b":16384\r\n", b":-1\r\n", b"$1\r\n0\r\n", b"*0\r\n"])
     node = st.tuples(hosts, ports).map(lambda hp: b"*2\r\n" + hp[0] + hp[1])
     entry = st.tuples(slot, slot, node).map(lambda t: b"*3\r\n" + b"".join(t))
-    garbage = st.sampled_from([b"*1\r\n" * 5000 + b":1\r\n", b"-ERR This instance has cluster support disabled\r\n",
-                               b"$-1\r\n", b":1\r\n", b"*1\r\n:1\r\n", b"$3\r\nabc\r\n", b"nonsense"])
+    garbage = st.sampled_from(
+        [
+            b"*1\r\n" * 5000 + b":1\r\n",
+            b"-ERR This instance has cluster support disabled\r\n",
+            b"$-1\r\n",
+            b":1\r\n",
+            b"*1\r\n:1\r\n",
+            b"$3\r\nabc\r\n",
+            b"nonsense",
+        ]
+    )
     return st.one_of(st.just(good), st.lists(entry, max_size=3).map(_resp), garbage)
 
 
 @given(data=st.data(), replies=REPLIES, scheme=st.sampled_from(["redis", "redis+cluster"]))
 @settings(max_examples=60, deadline=None, suppress_health_check=FIXTURES)
-def test_any_reply_is_a_miss_never_an_exception(hostile: HostileServer, data, replies: list[bytes],
-                                                scheme: str) -> None:
+def test_any_reply_is_a_miss_never_an_exception(
+    hostile: HostileServer, data, replies: list[bytes], scheme: str
+) -> None:
     hostile.replies = replies
     hostile.slots_reply = data.draw(_slot_replies(hostile.port))
     store = open_store(f"{scheme}://127.0.0.1:{hostile.port}?timeout=0.05&retry_interval=0", NS)
@@ -329,4 +442,3 @@ def test_fifo_lock_file_does_not_block_stats(tmp_path: Path) -> None:
     os.unlink(tmp_path / ".kvtc-store")
     os.mkfifo(tmp_path / ".kvtc-store")
     assert isinstance(_in_thread(store.stats), dict)
-

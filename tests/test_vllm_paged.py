@@ -77,8 +77,11 @@ def test_legacy_5d_layouts(split, shape):
     assert torch.equal(gk, k) and torch.equal(gv, v)
     # token t of block b, head h: the legacy layouts' documented positions
     s = int(slots[0])
-    kk = {"kv_first": cache[0, s // N, s % N], "kv_second": cache[s // N, 0, s % N],
-          "kv_first_hnd": cache[0, s // N, :, s % N]}[split]
+    kk = {
+        "kv_first": cache[0, s // N, s % N],
+        "kv_second": cache[s // N, 0, s % N],
+        "kv_first_hnd": cache[0, s // N, :, s % N],
+    }[split]
     assert torch.equal(kk, k[0])
 
 

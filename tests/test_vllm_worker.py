@@ -23,8 +23,15 @@ def _worker(store_url: str, seed: int | None = None) -> WorkerSide:
     """A rank-0 worker with CPU-layout bf16 caches ([blocks, heads, block_size, 2 * head_dim]) per layer,
     random when ``seed`` is given, zero otherwise."""
     config = ConnectorConfig(codec="identity", store=store_url, chunk_tokens=CHUNK)
-    setup = ConnectorSetup(config, model="tiny", model_dtype="torch.bfloat16", block_size=BLOCK, tp_size=1,
-                           total_kv_heads=HEADS, head_dim=DIM)
+    setup = ConnectorSetup(
+        config,
+        model="tiny",
+        model_dtype="torch.bfloat16",
+        block_size=BLOCK,
+        tp_size=1,
+        total_kv_heads=HEADS,
+        head_dim=DIM,
+    )
     g = torch.Generator().manual_seed(seed or 0)
     caches = {}
     for name in NAMES:

@@ -44,8 +44,9 @@ def build_prompts(tok, n_prompts: int, groups: int, prefix: int, suffix: int, sc
     prompts = []
     for i in range(n_prompts):
         tail = rest[i * (suffix + scored) : (i + 1) * (suffix + scored)]
-        prompts.append({"group": i % groups, "prefix": prefixes[i % groups], "suffix": tail[:suffix],
-                        "scored": tail[suffix:]})
+        prompts.append(
+            {"group": i % groups, "prefix": prefixes[i % groups], "suffix": tail[:suffix], "scored": tail[suffix:]}
+        )
     return prompts
 
 
@@ -57,8 +58,11 @@ def make_llm(args):
 
     kw = {}
     if args.mode != "none":
-        extra = {"codec": "identity" if args.mode == "identity" else "kvtc", "store": args.store,
-                 "chunk_tokens": args.chunk}
+        extra = {
+            "codec": "identity" if args.mode == "identity" else "kvtc",
+            "store": args.store,
+            "chunk_tokens": args.chunk,
+        }
         if args.mode == "kvtc":
             extra.update(calibration=args.calibration, ratio=args.ratio)
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -68,8 +72,7 @@ def make_llm(args):
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
         )
-    return LLM(model=str(smollm2_dir()), dtype="bfloat16", max_model_len=args.max_len, enforce_eager=True,
-               seed=0, **kw)
+    return LLM(model=str(smollm2_dir()), dtype="bfloat16", max_model_len=args.max_len, enforce_eager=True, seed=0, **kw)
 
 
 def _gen_records(outs) -> list[dict]:
@@ -88,7 +91,7 @@ def _gen_records(outs) -> list[dict]:
 def corrupt_one_entry(store_url: str) -> str:
     """Flip a byte in the middle of the second-oldest entry of a ``file://`` store (chunk 1 of the first
     prefix that was stored) and return its path."""
-    root = store_url[len("file://"):].split("?")[0]
+    root = store_url[len("file://") :].split("?")[0]
     entries = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
     entries = sorted((p for p in entries if os.path.getsize(p) > 100_000), key=lambda p: os.stat(p).st_mtime_ns)
     if len(entries) < 2:
@@ -136,8 +139,9 @@ def _serve(llm, args, startup: float) -> dict:
         # Teacher forcing: the prompt is prefix + suffix + reference; score the reference tokens.
         # vLLM skips its prefix cache and the connector for prompt_logprobs requests unless told otherwise: the
         # prefix must come from the cache (the store, in a restoring engine); only the scored tail is computed.
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=args.topk, skip_reading_prefix_cache=False,
-                            detokenize=False)  # vLLM cannot detokenize the placeholders of cached positions
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=args.topk, skip_reading_prefix_cache=False, detokenize=False
+        )  # vLLM cannot detokenize the placeholders of cached positions
         sreqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"] + p["scored"]) for p in prompts]
         outs = llm.generate(sreqs, sp, use_tqdm=False)
         for rec, p, o in zip(out["requests"], prompts, outs):
@@ -147,8 +151,11 @@ def _serve(llm, args, startup: float) -> dict:
             rec["scored_ids"] = p["scored"]
             rec["scored_cached"] = o.num_cached_tokens
     # Other prefixes than the prompts above (none of them in any engine's cache or store yet).
-    many = (build_prompts(tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS, skip=args.prefix)
-            if args.concurrent else [])
+    many = (
+        build_prompts(tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS, skip=args.prefix)
+        if args.concurrent
+        else []
+    )
     creqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"][: 8 + i % 40]) for i, p in enumerate(many)]
     if many:
         # One request per prefix first (computed, or restored from the store), then many requests at once over

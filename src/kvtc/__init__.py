@@ -25,6 +25,7 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "CalibrationError",
     "CalibrationMismatch",

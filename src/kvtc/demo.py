@@ -52,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--document", choices=HELD_OUT, default=HELD_OUT[0], help="held-out text (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="which held-out window")
     p.add_argument("--calibration", type=Path, help="a calibration file for SmolLM2 instead of the default one")
-    p.add_argument("--calibration-tokens", type=int,
-                   help="tokens of the default calibration (default 100,000; built once, cached)")
+    p.add_argument(
+        "--calibration-tokens", type=int, help="tokens of the default calibration (default 100,000; built once, cached)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,16 +63,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .integrations.hf_calibrate import DEFAULT_TOKENS, Recipe, default_calibration
 
     if args.context <= SINKS + WINDOW or args.score < 2 or args.generate < 1:
-        raise KVTCError(f"--context must exceed the {SINKS} sinks + {WINDOW} window tokens kept exact, --score must "
-                        f"be at least 2 and --generate at least 1; got {args.context}, {args.score}, {args.generate}")
+        raise KVTCError(
+            f"--context must exceed the {SINKS} sinks + {WINDOW} window tokens kept exact, --score must "
+            f"be at least 2 and --generate at least 1; got {args.context}, {args.score}, {args.generate}"
+        )
     timer = StageTimer()
     with timer("calibration (load, or build once)"):
         cal_path = args.calibration or default_calibration(Recipe(tokens=args.calibration_tokens or DEFAULT_TOKENS))
         cal = Calibration.load(cal_path)
     missing = [r for r in args.ratios if r not in cal.ratios]
     if missing:
-        raise CalibrationError(f"the calibration has plans for ratios {cal.ratios}, not {missing}; "
-                               "pick --ratios among those")
+        raise CalibrationError(
+            f"the calibration has plans for ratios {cal.ratios}, not {missing}; pick --ratios among those"
+        )
     import torch
 
     with torch.inference_mode():
@@ -92,13 +96,17 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
         texts = assets.corpus(args.document)
         window = assets.token_windows(tok, texts, args.context + args.score, 1, seed=args.seed)
     ctx, cont = window[:, : args.context], window[:, args.context :]
-    _say(f"held-out {args.document} window: {args.context} context tokens + {args.score} fed after it; "
-         f"calibration {cal.fingerprint} ({cal.stats.get('rows', cal.corpus.get('tokens', '?'))} tokens)")
+    _say(
+        f"held-out {args.document} window: {args.context} context tokens + {args.score} fed after it; "
+        f"calibration {cal.fingerprint} ({cal.stats.get('rows', cal.corpus.get('tokens', '?'))} tokens)"
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     paths = {r: args.out / f"kvtc-demo-{r:g}x.kvtc" for r in args.ratios}
-    methods = [KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=assets.DEFAULT_MODEL, store=_through_file(paths[r]))
-               for r in args.ratios]
+    methods = [
+        KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=assets.DEFAULT_MODEL, store=_through_file(paths[r]))
+        for r in args.ratios
+    ]
     with timer("storage round trip: prefill, compress, save, load, decode, score"):
         with bar(len(methods) + 1, "storage round trip") as progress:
             tallies = storage_roundtrip(model, window, methods, args.context, SINKS, WINDOW, progress)
@@ -116,30 +124,36 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
             gen = greedy_decode(model, cont[:, :1], restored, args.generate)
         info = Codec.inspect(blob)
         score = tallies[m.label].summary()
-        rows.append({
-            "target": m.ratio,
-            "bf16_bytes": info["original_bytes"],
-            "compressed_bytes": len(blob),
-            "codec_ratio": info["codec_ratio"],
-            "whole_cache_ratio": info["whole_cache_ratio"],
-            "coded_tokens": info["middle_tokens"],
-            "encode_s": m.timer.seconds["encode"],
-            "restore_first_token_s": restore_s + gen.first_s,
-            "recompute_s": exact.first_s,
-            "ppl_exact": score["ppl_exact"],
-            "ppl_restored": score["ppl"],
-            "kl": score["kl"],
-            "top1_agreement": score["top1_agreement"],
-            "greedy_identical_prefix": _common_prefix(gen.tokens, exact.tokens),
-            "text": tok.decode(gen.tokens[0], skip_special_tokens=True),
-        })
+        rows.append(
+            {
+                "target": m.ratio,
+                "bf16_bytes": info["original_bytes"],
+                "compressed_bytes": len(blob),
+                "codec_ratio": info["codec_ratio"],
+                "whole_cache_ratio": info["whole_cache_ratio"],
+                "coded_tokens": info["middle_tokens"],
+                "encode_s": m.timer.seconds["encode"],
+                "restore_first_token_s": restore_s + gen.first_s,
+                "recompute_s": exact.first_s,
+                "ppl_exact": score["ppl_exact"],
+                "ppl_restored": score["ppl"],
+                "kl": score["kl"],
+                "top1_agreement": score["top1_agreement"],
+                "greedy_identical_prefix": _common_prefix(gen.tokens, exact.tokens),
+                "text": tok.decode(gen.tokens[0], skip_special_tokens=True),
+            }
+        )
         _say(f"{m.ratio:g}x: codec ratio {info['codec_ratio']:.1f}x, top-1 agreement {score['top1_agreement']:.3f}")
 
     result = {
-        "document": args.document, "context_tokens": args.context, "scored_tokens": tallies["exact"].tokens,
-        "calibration": cal.fingerprint, "rows": rows,
+        "document": args.document,
+        "context_tokens": args.context,
+        "scored_tokens": tallies["exact"].tokens,
+        "calibration": cal.fingerprint,
+        "rows": rows,
         "exact_text": tok.decode(exact.tokens[0], skip_special_tokens=True),
-        "context_tail": tok.decode(ctx[0, -48:], skip_special_tokens=True), "stages_s": timer.rounded(2),
+        "context_tail": tok.decode(ctx[0, -48:], skip_special_tokens=True),
+        "stages_s": timer.rounded(2),
     }
     md = _markdown(result)
     (args.out / "kvtc-demo.md").write_text(md)
@@ -147,8 +161,11 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
     result["stages_s"]["total"] = round(timer.elapsed(), 2)
     (args.out / "kvtc-demo.json").write_text(json.dumps(result, indent=2) + "\n")
     print(md)
-    print(f"wrote {args.out / 'kvtc-demo.md'}, {args.out / 'kvtc-demo.json'}" + (f", {plot}" if plot else
-          " (no plot: install matplotlib)") + f"; total {result['stages_s']['total']:.0f} s")
+    print(
+        f"wrote {args.out / 'kvtc-demo.md'}, {args.out / 'kvtc-demo.json'}"
+        + (f", {plot}" if plot else " (no plot: install matplotlib)")
+        + f"; total {result['stages_s']['total']:.0f} s"
+    )
     return result
 
 

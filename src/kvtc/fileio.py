@@ -31,13 +31,14 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        raise StoreError(f"writing {path} failed ({e.strerror or e}); the previous file, if any, is unchanged") from None
+        raise StoreError(
+            f"writing {path} failed ({e.strerror or e}); the previous file, if any, is unchanged"
+        ) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
     return path
-
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -103,8 +104,10 @@ def read_blob(path: str | os.PathLike[str]) -> bytes:
             except FormatError as e:
                 raise FormatError(f"{path}: {e}") from None
             if body + sum(s.coded for s in header.sections) != size:
-                raise FormatError(f"{path}: the file holds {size} bytes, its header accounts for "
-                                  f"{body + sum(s.coded for s in header.sections)} (truncated or extended)")
+                raise FormatError(
+                    f"{path}: the file holds {size} bytes, its header accounts for "
+                    f"{body + sum(s.coded for s in header.sections)} (truncated or extended)"
+                )
             return head + f.read()
         except OSError as e:
             raise KVTCError(f"cannot read {path}: {e.strerror or e}") from None

@@ -162,9 +162,7 @@ class PCAGrouping:
         if self.kind == "global":
             return [[p for row in pairs for p in row]]
         if self.kind == "layers":
-            return [
-                [p for row in pairs[i : i + self.size] for p in row] for i in range(0, len(pairs), self.size)
-            ]
+            return [[p for row in pairs[i : i + self.size] for p in row] for i in range(0, len(pairs), self.size)]
         n = self.size
         if len(layout.heads) % n:
             raise LayoutError(f"{len(layout.heads)} heads cannot be split into {n} equal shards")

@@ -60,8 +60,9 @@ class StageTimer:
     CUDA before and after each block when a GPU is present, so its queued work is counted where it was queued.
     """
 
-    def __init__(self, seconds: dict[str, float] | None = None, *, enabled: bool = True,
-                 cuda_sync: bool = False) -> None:
+    def __init__(
+        self, seconds: dict[str, float] | None = None, *, enabled: bool = True, cuda_sync: bool = False
+    ) -> None:
         self.seconds: dict[str, float] = {} if seconds is None else seconds
         self.enabled = enabled
         self._cuda = False

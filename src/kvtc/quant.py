@@ -35,8 +35,17 @@ import torch
 
 #: quantization type codes as stored in plans and containers (0-3: the paper's; 4-8: ours)
 DROP, INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S = range(9)
-TYPE_NAMES = {DROP: "drop", INT2: "int2", INT4: "int4", FP8: "fp8", INT3: "int3",
-              INT2S: "int2s", INT3S: "int3s", INT4S: "int4s", FP8S: "fp8s"}
+TYPE_NAMES = {
+    DROP: "drop",
+    INT2: "int2",
+    INT4: "int4",
+    FP8: "fp8",
+    INT3: "int3",
+    INT2S: "int2s",
+    INT3S: "int3s",
+    INT4S: "int4s",
+    FP8S: "fp8s",
+}
 TYPE_CODES = {name: code for code, name in TYPE_NAMES.items()}
 TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8}
 #: scale-only types (no per-token shift)
@@ -80,8 +89,9 @@ def _half_up(x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def quantize(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [tokens, groups, size] -> (symbols uint8, shift fp16, scale fp16). ``clip``: one value or one
     per group (``[groups]`` float32), see the module docstring (scale-only int types only)."""
     if x.dtype != torch.float32:

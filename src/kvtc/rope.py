@@ -190,8 +190,9 @@ class RopeSpec:
         """
         return self._rotate_all(keys, positions, layers, inverse=False)
 
-    def apply_to_heads(self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int],
-                       dtype: torch.dtype | None = None) -> torch.Tensor:
+    def apply_to_heads(
+        self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """:meth:`apply`, returned as ``[len(layers), batch, heads, tokens, head_dim]`` in ``dtype`` (default: the
         keys'): ``out[i]`` is layer ``i``'s contiguous ``[B, H, T, D]``, the layout Hugging Face caches use.
 
@@ -225,8 +226,14 @@ class RopeSpec:
                 if not cs:
                     z = torch.zeros((1, *keys.shape[:2], r // 2), device=keys.device)
                     cs = [(z, z)]
-                return kernels.rope_to_heads(keys, torch.stack([c for c, _ in cs]), torch.stack([s for _, s in cs]),
-                                             torch.tensor(index, dtype=torch.int32), r, dtype)
+                return kernels.rope_to_heads(
+                    keys,
+                    torch.stack([c for c, _ in cs]),
+                    torch.stack([s for _, s in cs]),
+                    torch.tensor(index, dtype=torch.int32),
+                    r,
+                    dtype,
+                )
         return self.apply(keys, positions, layers).to(dtype).permute(2, 0, 3, 1, 4).contiguous()
 
     def invert(self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:

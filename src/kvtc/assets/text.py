@@ -110,7 +110,15 @@ _DROP_SECTIONS = re.compile(
     re.IGNORECASE | re.MULTILINE,
 )
 _DROP_LINK_PREFIXES = (
-    "file:", "image:", "category:", "media:", "wikipedia:", "wp:", "template:", "help:", "portal:",
+    "file:",
+    "image:",
+    "category:",
+    "media:",
+    "wikipedia:",
+    "wp:",
+    "template:",
+    "help:",
+    "portal:",
 )
 _LINK_BRACKETS = re.compile(r"\[\[|\]\]")
 _INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")

@@ -70,8 +70,10 @@ def iter_token_windows(
             f"windows of {length}; use more text, fewer windows or shorter ones"
         )
     stream = [tok for t in texts for tok in encode(t) + sep]
-    return (torch.tensor(stream[s : s + length], dtype=torch.long)
-            for _, s in _window_slots([len(stream)], length, count, rng))
+    return (
+        torch.tensor(stream[s : s + length], dtype=torch.long)
+        for _, s in _window_slots([len(stream)], length, count, rng)
+    )
 
 
 def _window_slots(lengths: list[int], length: int, count: int, rng: random.Random) -> list[tuple[int, int]]:

@@ -28,8 +28,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from .. import __version__
-from ..fileio import write_atomic
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
+from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
 from ..quant import DROP, FP8, INT2, INT4
 from .digest import content_hash, decoding_hash
@@ -185,7 +185,9 @@ class Calibration:
                     raise CalibrationError(f"ratio {key} {kind}: {len(by_kind[kind])} plans for {ngroups} groups")
                 for g, plan in enumerate(by_kind[kind]):
                     if plan.num_components > self.pcas[kind][g].basis.shape[0]:
-                        raise CalibrationError(f"ratio {key} {kind} group {g}: plan needs more components than the basis")
+                        raise CalibrationError(
+                            f"ratio {key} {kind} group {g}: plan needs more components than the basis"
+                        )
 
     # ------------------------------------------------------------------ serialisation
     @property
@@ -196,8 +198,13 @@ class Calibration:
     @property
     def extended_types(self) -> bool:
         """True when some plan uses a quantization type beyond the paper's (format version 3)."""
-        return any(t not in _V2_TYPES for by_kind in self.plans.values() for kind in KINDS for pl in by_kind[kind]
-                   for _, t, _ in pl.segments)
+        return any(
+            t not in _V2_TYPES
+            for by_kind in self.plans.values()
+            for kind in KINDS
+            for pl in by_kind[kind]
+            for _, t, _ in pl.segments
+        )
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -357,12 +364,18 @@ class Calibration:
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):
                 raise
-            raise CalibrationError(f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`") from None
+            raise CalibrationError(
+                f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`"
+            ) from None
         if cal.extended_types and meta.get("version", 0) < 3:
-            raise CalibrationError(f"{source}: a version-{meta.get('version')} calibration with quantization types "
-                                   "of version 3; the file is corrupt")
+            raise CalibrationError(
+                f"{source}: a version-{meta.get('version')} calibration with quantization types "
+                "of version 3; the file is corrupt"
+            )
         if not cal.legacy and content_hash(meta, tensors, skip="checksum") != meta.get("checksum"):
-            raise CalibrationError(f"{source}: checksum mismatch (file corrupt or edited); recalibrate (`kvtc calibrate`)")
+            raise CalibrationError(
+                f"{source}: checksum mismatch (file corrupt or edited); recalibrate (`kvtc calibrate`)"
+            )
         if cal.hash != meta.get("hash"):
             raise CalibrationError(
                 f"{source}: content hash mismatch (file corrupt or edited); recreate it with `kvtc calibrate`"
@@ -435,7 +448,9 @@ def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
             for g in range(len(meta["pca"][kind]))
             for part in ("mean", "basis", "eigenvalues")
         }
-        names |= {f"{kind}.{g}.scale" for kind in KINDS for g, info in enumerate(meta["pca"][kind]) if info.get("scaled")}
+        names |= {
+            f"{kind}.{g}.scale" for kind in KINDS for g, info in enumerate(meta["pca"][kind]) if info.get("scaled")
+        }
         return names
     except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None

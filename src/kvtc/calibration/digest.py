@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -39,8 +40,13 @@ def content_hash(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], s
     return h.hexdigest()
 
 
-def decoding_hash(layout: Any, grouping: Any, rope: dict[str, Any] | None, plans: Mapping[str, Mapping[str, list[Any]]],
-                  tensors: Mapping[str, torch.Tensor]) -> str:
+def decoding_hash(
+    layout: Any,
+    grouping: Any,
+    rope: dict[str, Any] | None,
+    plans: Mapping[str, Mapping[str, list[Any]]],
+    tensors: Mapping[str, torch.Tensor],
+) -> str:
     """The version-4 content hash of a calibration (``tensors`` as the file stores them, eigenvalues ignored)."""
     described = {
         "format": "kvtc-calibration",
@@ -48,9 +54,15 @@ def decoding_hash(layout: Any, grouping: Any, rope: dict[str, Any] | None, plans
         "layout": layout.to_dict(),
         "grouping": grouping.to_dict(),
         "rope": rope,
-        "plans": {key: {kind: [{"segments": [list(seg) for seg in pl.segments], "clips": pl.kept_clips()}
-                               for pl in by_kind[kind]] for kind in KINDS}
-                  for key, by_kind in plans.items()},
+        "plans": {
+            key: {
+                kind: [
+                    {"segments": [list(seg) for seg in pl.segments], "clips": pl.kept_clips()} for pl in by_kind[kind]
+                ]
+                for kind in KINDS
+            }
+            for key, by_kind in plans.items()
+        },
     }
     return content_hash(described, {n: t for n, t in tensors.items() if not n.endswith(".eigenvalues")})
 

@@ -21,15 +21,30 @@ exceeds its budget, at the price of exactness (recorded in the plan).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..quant import (DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S, TYPE_NAMES, best_clips, clippable,
-                     group_bits, squared_error)
 from ..errors import CalibrationError
+from ..quant import (
+    DROP,
+    FP8,
+    FP8S,
+    INT2,
+    INT2S,
+    INT3,
+    INT3S,
+    INT4,
+    INT4S,
+    TYPE_NAMES,
+    best_clips,
+    clippable,
+    group_bits,
+    squared_error,
+)
 
 #: the paper's group sizes and quantization types
 DEFAULT_SIZES: tuple[int, ...] = (1, 16, 64, 256, 1024)
@@ -130,7 +145,8 @@ class Plan:
         if plan.clips:
             kept = [(size, t) for _, size, t in plan.groups() if t != DROP]
             if len(plan.clips) != len(kept) or any(
-                    not 0.0 < c <= 1.0 or (c != 1.0 and not clippable(t, size)) for c, (size, t) in zip(plan.clips, kept)):
+                not 0.0 < c <= 1.0 or (c != 1.0 and not clippable(t, size)) for c, (size, t) in zip(plan.clips, kept)
+            ):
                 raise CalibrationError("bit plan has clips that do not fit its groups; the file is corrupt")
         return plan
 
@@ -150,7 +166,9 @@ def _run_length(groups: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int]
 
 
 def candidate_errors(
-    coeffs: torch.Tensor, sizes: Sequence[int] = DEFAULT_SIZES, types: Sequence[int] = DEFAULT_TYPES,
+    coeffs: torch.Tensor,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    types: Sequence[int] = DEFAULT_TYPES,
     clips: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
     """Measured errors of every candidate group.
@@ -193,7 +211,7 @@ def _solve(
     cols = int(budget_bits // unit) + 1
     # candidate 0 is "drop one component"
     cands: list[tuple[int, int, int]] = [(1, DROP, 0)]
-    for (g, t) in errs:
+    for g, t in errs:
         cands.append((g, t, math.ceil(group_bits(g, t) / unit)))
     ring = max(g for g, _, _ in cands) + 1
     best = np.full((ring, cols), np.inf)
@@ -280,9 +298,14 @@ class ErrorCurve:
             if t != DROP:
                 clips.append(float(self.clips[(g, t)][start // g]) if (g, t) in self.clips else 1.0)
             start += g
-        return Plan(segments, float(self.best[self.units(budget_bits)]), self.rows,
-                    exact=self.unit == 2, meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta},
-                    clips=tuple(clips) if any(c != 1.0 for c in clips) else ())
+        return Plan(
+            segments,
+            float(self.best[self.units(budget_bits)]),
+            self.rows,
+            exact=self.unit == 2,
+            meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta},
+            clips=tuple(clips) if any(c != 1.0 for c in clips) else (),
+        )
 
 
 def error_curve(
@@ -315,7 +338,9 @@ def split_budget(
         raise CalibrationError(f"error curves with different budget units ({a.unit} vs {b.unit} bits)")
     total = int(total_bits // a.unit)
     ua = np.arange(total + 1)
-    cost = weight_a * a.best[np.minimum(ua, a.best.size - 1)] + weight_b * b.best[np.minimum(total - ua, b.best.size - 1)]
+    cost = (
+        weight_a * a.best[np.minimum(ua, a.best.size - 1)] + weight_b * b.best[np.minimum(total - ua, b.best.size - 1)]
+    )
     i = int(np.argmin(cost))
     return float(i * a.unit), float((total - i) * a.unit)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -19,8 +20,14 @@ from ..layout import KVLayout
 from .artifact import KINDS, Calibration, ratio_key
 from .dp import ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
 from .pca import EXACT_MAX_FEATURES, CovarianceAccumulator, PCAResult, randomized_pca
-from .recipe import (DEFAULT_RATIOS, DEFAULT_SENSITIVITY_FLOOR, DEFAULT_VALUE_WEIGHT, KV_SPLITS,
-                     SENSITIVITY_RESOLUTIONS, Recipe)
+from .recipe import (
+    DEFAULT_RATIOS,
+    DEFAULT_SENSITIVITY_FLOOR,
+    DEFAULT_VALUE_WEIGHT,
+    KV_SPLITS,
+    SENSITIVITY_RESOLUTIONS,
+    Recipe,
+)
 
 Source = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
 
@@ -84,16 +91,20 @@ def fit_calibration(
     ``rope`` (the model's RoPE spec), ``model_id`` and ``corpus`` (free-form notes) are stored as given.
     """
     if not isinstance(recipe, Recipe):
-        raise CalibrationError(f"recipe must be a kvtc.calibration.Recipe, got {type(recipe).__name__}; "
-                               "e.g. fit_calibration(layout, rows, Recipe(ratios=(8, 16)))")
+        raise CalibrationError(
+            f"recipe must be a kvtc.calibration.Recipe, got {type(recipe).__name__}; "
+            "e.g. fit_calibration(layout, rows, Recipe(ratios=(8, 16)))"
+        )
     say = progress or (lambda _msg: None)
     p = layout.num_features
     ratios, dp_rows, kv_split, value_weight = recipe.ratios, recipe.dp_rows, recipe.kv_split, recipe.value_weight
     split_errors, seed = recipe.split_errors, recipe.seed
     scales = _check_scales(feature_scale, p)
     if split_errors == "weighted" and not scales:
-        raise CalibrationError("recipe split_errors='weighted' compares sensitivity-weighted errors: pass "
-                               "feature_scale, or use split_errors='relative'")
+        raise CalibrationError(
+            "recipe split_errors='weighted' compares sensitivity-weighted errors: pass "
+            "feature_scale, or use split_errors='relative'"
+        )
     if scales:
         rows = _scaled_source(rows, scales["keys"], scales["values"])
     cols = recipe.grouping.columns(layout)
@@ -126,14 +137,19 @@ def fit_calibration(
             results[kind] = []
             for g, c in enumerate(cols):
                 say(f"{kind}: randomized PCA of group {g} (p={c.numel()})")
-                sub = (lambda c=c, i=i: (pr[i].to(device, torch.float32)[:, c.to(device)] for pr in _iterate(rows)))
-                results[kind].append(randomized_pca(sub, c.numel(), recipe.rank_cap, recipe.power_iters,
-                                                    recipe.oversample, device, seed))
+                sub = lambda c=c, i=i: (pr[i].to(device, torch.float32)[:, c.to(device)] for pr in _iterate(rows))
+                results[kind].append(
+                    randomized_pca(sub, c.numel(), recipe.rank_cap, recipe.power_iters, recipe.oversample, device, seed)
+                )
     stats["seconds"]["pca"] = round(time.perf_counter() - t0, 3)
     pcas: dict[str, list[PCAResult]] = {}
     plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
-    stats["kv_split"] = {"mode": kv_split, "value_weight": value_weight if kv_split == "joint" else None,
-                         "errors": split_errors, "value_share": {}}
+    stats["kv_split"] = {
+        "mode": kv_split,
+        "value_weight": value_weight if kv_split == "joint" else None,
+        "errors": split_errors,
+        "value_share": {},
+    }
     t0 = time.perf_counter()
     for kind in KINDS:
         res = reservoirs[kind]
@@ -159,8 +175,9 @@ def fit_calibration(
             if kv_split == "joint" and split_errors == "weighted":
                 bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget, 1.0, value_weight)
             elif kv_split == "joint":
-                bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget,
-                                      1.0 / energy["keys"], value_weight / energy["values"])
+                bk, bv = split_budget(
+                    curves["keys"], curves["values"], 2 * budget, 1.0 / energy["keys"], value_weight / energy["values"]
+                )
             else:
                 bk = bv = budget
             stats["kv_split"]["value_share"].setdefault(ratio_key(r), []).append(round(bv / max(bk + bv, 1e-30), 4))
@@ -175,7 +192,9 @@ def fit_calibration(
     for kind in KINDS:
         pcas[kind] = [pca.truncate(max(k, 1)) for pca, k in zip(results[kind], keep[kind])]
         if scales:
-            pcas[kind] = [dataclasses.replace(pca, scale=scales[kind][c].contiguous()) for pca, c in zip(pcas[kind], cols)]
+            pcas[kind] = [
+                dataclasses.replace(pca, scale=scales[kind][c].contiguous()) for pca, c in zip(pcas[kind], cols)
+            ]
     stats["seconds"]["dp"] = round(time.perf_counter() - t0, 3)
     stats["samples"] = pcas["keys"][0].samples
     return Calibration(
@@ -239,7 +258,12 @@ def _check_scales(scales: Mapping[str, torch.Tensor] | None, p: int) -> dict[str
     out = {}
     for kind in KINDS:
         s = scales.get(kind) if hasattr(scales, "get") else None
-        if not isinstance(s, torch.Tensor) or s.shape != (p,) or not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        if (
+            not isinstance(s, torch.Tensor)
+            or s.shape != (p,)
+            or not bool(torch.isfinite(s).all())
+            or not bool((s > 0).all())
+        ):
             raise CalibrationError(f"feature_scale[{kind!r}] must be a positive finite [{p}] tensor")
         out[kind] = s.detach().float().cpu()
     return out
@@ -276,5 +300,13 @@ def _check_rows(rows: torch.Tensor, p: int) -> None:
         raise CalibrationError(f"calibration rows must be [n, {p}] tensors, got {shape}")
 
 
-__all__ = ["DEFAULT_RATIOS", "DEFAULT_SENSITIVITY_FLOOR", "DEFAULT_VALUE_WEIGHT", "KINDS", "KV_SPLITS", "Recipe",
-           "fit_calibration", "sensitivity_scales"]
+__all__ = [
+    "DEFAULT_RATIOS",
+    "DEFAULT_SENSITIVITY_FLOOR",
+    "DEFAULT_VALUE_WEIGHT",
+    "KINDS",
+    "KV_SPLITS",
+    "Recipe",
+    "fit_calibration",
+    "sensitivity_scales",
+]

@@ -17,11 +17,15 @@ def is_default_model(name: Any) -> bool:
     from .. import assets
 
     return isinstance(name, (str, os.PathLike)) and str(name).lower() in (
-        "default", "smollm2", assets.DEFAULT_MODEL.lower())
+        "default",
+        "smollm2",
+        assets.DEFAULT_MODEL.lower(),
+    )
 
 
-def load_calibration(source: Calibration | str | os.PathLike[str], model: Any = None,
-                     progress: bool = True) -> Calibration:
+def load_calibration(
+    source: Calibration | str | os.PathLike[str], model: Any = None, progress: bool = True
+) -> Calibration:
     """The calibration ``source`` names: a :class:`Calibration` (returned as is), a calibration file's path, or
     ``"default"``: the embedded default model's (the ``r8`` recipe, built on first use and cached; see
     :func:`~kvtc.integrations.hf_calibrate.default_calibration`).

@@ -31,26 +31,43 @@ MAX_SEGMENTS = 1 << 20
 #: default calibration of a 30-layer model holds a few thousand, a per-layer one of a 126-layer model ~0.7 M
 MAX_VALUES = 1 << 20
 
-_TOP = {"format", "version", "library_version", "layout", "grouping", "rope", "model_id", "corpus", "stats", "checksum",
-        "pca", "plans", "hash"}
+_TOP = {
+    "format",
+    "version",
+    "library_version",
+    "layout",
+    "grouping",
+    "rope",
+    "model_id",
+    "corpus",
+    "stats",
+    "checksum",
+    "pca",
+    "plans",
+    "hash",
+}
 _KINDS = ("keys", "values")
 
 
 def parse_json(raw: str | bytes, source: Any) -> Any:
     """``json.loads`` that refuses NaN / Infinity and nesting too deep to walk, as a CalibrationError."""
+
     def no_constant(name: str) -> Any:
         raise ValueError(f"{name} is not a number a calibration may hold")
 
     text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8", "replace")
     values = text.count(",") + text.count(":")
     if values > MAX_VALUES:
-        raise CalibrationError(f"{source}: calibration metadata holds about {values} values, more than the "
-                               f"{MAX_VALUES} any calibration needs; the file is corrupt or hostile")
+        raise CalibrationError(
+            f"{source}: calibration metadata holds about {values} values, more than the "
+            f"{MAX_VALUES} any calibration needs; the file is corrupt or hostile"
+        )
     try:
         return json.loads(text, parse_constant=no_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise CalibrationError(f"{source}: calibration metadata is not valid JSON ({str(e)[:80]}); recreate the file"
-                               ) from None
+        raise CalibrationError(
+            f"{source}: calibration metadata is not valid JSON ({str(e)[:80]}); recreate the file"
+        ) from None
 
 
 def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
@@ -60,7 +77,9 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
         raise CalibrationError(f"{where} must be a JSON object; the file is corrupt")
     extra = set(meta) - _TOP
     if extra:
-        raise CalibrationError(f"{where} has unknown fields {sorted(extra)[:4]}; the file is corrupt or from a newer kvtc")
+        raise CalibrationError(
+            f"{where} has unknown fields {sorted(extra)[:4]}; the file is corrupt or from a newer kvtc"
+        )
     version = _int(meta.get("version"), f"{where} 'version'", 0, 1 << 16)
     if version not in versions:
         raise CalibrationError(
@@ -149,8 +168,10 @@ def _layout(d: Any, what: str) -> tuple[int, int, int]:
     if not isinstance(d["dtype"], str) or d["dtype"] not in DTYPES:
         raise CalibrationError(f"{what} 'dtype' must be one of {sorted(DTYPES)}, got {_show(d['dtype'])}")
     if not layers or not heads or len(layers) * len(heads) * head_dim > MAX_FEATURES:
-        raise CalibrationError(f"{what} declares {len(layers)} layers x {len(heads)} heads x {head_dim}: "
-                               f"none, or more than {MAX_FEATURES} features; the file is corrupt")
+        raise CalibrationError(
+            f"{what} declares {len(layers)} layers x {len(heads)} heads x {head_dim}: "
+            f"none, or more than {MAX_FEATURES} features; the file is corrupt"
+        )
     return len(layers), len(heads), head_dim
 
 
@@ -212,8 +233,11 @@ def _plans(d: Any, groups: int, width: int, what: str) -> None:
 
 
 def _plan(p: Any, width: int, what: str) -> int:
-    if not isinstance(p, dict) or not {"segments", "predicted_error", "rows", "exact"} <= set(p) \
-            or not set(p) <= {"segments", "predicted_error", "rows", "exact", "clips"}:
+    if (
+        not isinstance(p, dict)
+        or not {"segments", "predicted_error", "rows", "exact"} <= set(p)
+        or not set(p) <= {"segments", "predicted_error", "rows", "exact", "clips"}
+    ):
         raise CalibrationError(f"{what}: a bit plan must hold segments, predicted_error, rows, exact (and clips)")
     segs = _list(p["segments"], f"{what} segments", MAX_SEGMENTS)
     components = 0
@@ -226,8 +250,9 @@ def _plan(p: Any, width: int, what: str) -> int:
             raise CalibrationError(f"{what}: unknown quantization type {seg[1]}; the file is corrupt")
         components += size * _int(seg[2], f"{what} segment repeat", 1, MAX_FEATURES)
         if components > width:
-            raise CalibrationError(f"{what}: the plan covers more components than its group's {width} features; "
-                                   "the file is corrupt")
+            raise CalibrationError(
+                f"{what}: the plan covers more components than its group's {width} features; the file is corrupt"
+            )
     _number(p["predicted_error"], f"{what} predicted_error")
     _int(p["rows"], f"{what} rows", 0, 1 << 62)
     if not isinstance(p["exact"], bool):

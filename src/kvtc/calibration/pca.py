@@ -14,8 +14,8 @@ Both paths stream over row chunks, so the calibration data never has to be in me
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -56,14 +56,22 @@ class PCAResult:
         if self.eigenvalues.shape != (self.basis.shape[0],):
             raise CalibrationError("eigenvalues must have one entry per basis row")
         if self.scale is not None and (
-            self.scale.shape != (p,) or self.scale.dtype != torch.float32
-            or not bool(torch.isfinite(self.scale).all()) or not bool((self.scale > 0).all())
+            self.scale.shape != (p,)
+            or self.scale.dtype != torch.float32
+            or not bool(torch.isfinite(self.scale).all())
+            or not bool((self.scale > 0).all())
         ):
             raise CalibrationError(f"feature scale must be [{p}] positive finite float32")
 
     def truncate(self, k: int) -> PCAResult:
-        return PCAResult(self.mean, self.basis[:k].contiguous(), self.eigenvalues[:k].clone(),
-                         self.total_variance, self.samples, self.scale)
+        return PCAResult(
+            self.mean,
+            self.basis[:k].contiguous(),
+            self.eigenvalues[:k].clone(),
+            self.total_variance,
+            self.samples,
+            self.scale,
+        )
 
     def coder_basis(self, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mean, basis)`` in feature units for a coder: ``coeffs = (x − mean) @ basisᵀ`` with the encode
@@ -114,8 +122,13 @@ class CovarianceAccumulator:
         order = order[:k]
         basis = evecs[:, order].T.contiguous().float()
         mean = (self.pivot.double() + d).float()
-        return PCAResult(mean.cpu(), basis.cpu(), evals[order].clamp(min=0).float().cpu(),
-                         float(torch.trace(cov).clamp(min=0)), self.count)
+        return PCAResult(
+            mean.cpu(),
+            basis.cpu(),
+            evals[order].clamp(min=0).float().cpu(),
+            float(torch.trace(cov).clamp(min=0)),
+            self.count,
+        )
 
 
 def _chunks(source: RowSource | Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -124,8 +124,15 @@ class Recipe:
         object.__setattr__(self, "ratios", tuple(sorted(set(ratios))))
         if not isinstance(self.grouping, PCAGrouping):
             _bad("grouping", self.grouping, "pass a kvtc.layout.PCAGrouping, e.g. PCAGrouping('layers', 1)")
-        for name in ("rank_cap", "dp_rows", "tokens", "window", "sensitivity_windows", "sensitivity_context",
-                     "sensitivity_continuation"):
+        for name in (
+            "rank_cap",
+            "dp_rows",
+            "tokens",
+            "window",
+            "sensitivity_windows",
+            "sensitivity_context",
+            "sensitivity_continuation",
+        ):
             _integer(self, name, 1)
         for name in ("power_iters", "oversample", "sinks", "seed"):
             _integer(self, name, 0)
@@ -169,8 +176,12 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (a calibration records its recipe in its statistics)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out.update(ratios=list(self.ratios), sizes=list(self.sizes), types=[TYPE_NAMES[t] for t in self.types],
-                   grouping=self.grouping.to_dict())
+        out.update(
+            ratios=list(self.ratios),
+            sizes=list(self.sizes),
+            types=[TYPE_NAMES[t] for t in self.types],
+            grouping=self.grouping.to_dict(),
+        )
         return out
 
 

@@ -13,7 +13,8 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import KVTCError
 from .calibrate import add_calibrate, parse_types, recipe_from_args
@@ -29,9 +30,12 @@ EXIT_ERROR = 2
 def add_demo(sub: Any) -> None:
     from ..demo import add_arguments
 
-    p = sub.add_parser("demo", help="end-to-end demo on the embedded default (offline)",
-                       description="Calibrate if needed, prefill a held-out document, compress at several "
-                                   "ratios, save, restore, continue; print a table and write a plot.")
+    p = sub.add_parser(
+        "demo",
+        help="end-to-end demo on the embedded default (offline)",
+        description="Calibrate if needed, prefill a held-out document, compress at several "
+        "ratios, save, restore, continue; print a table and write a plot.",
+    )
     add_arguments(p)
     p.set_defaults(run=run_demo)
 
@@ -101,8 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         message = " ".join(str(e).split())[:300]
-        print(f"kvtc: internal error: {type(e).__name__}: {message} (rerun with --debug for the traceback and "
-              "report it)", file=sys.stderr)
+        print(
+            f"kvtc: internal error: {type(e).__name__}: {message} (rerun with --debug for the traceback and report it)",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
 
 

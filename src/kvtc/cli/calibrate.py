@@ -15,32 +15,66 @@ DEFAULT_CORPUS = "sotu-pre2000"
 
 def add_calibrate(sub: Any) -> None:
     # defaults resolve at run time: importing transformers only to print --help would take seconds
-    p = sub.add_parser("calibrate", help="fit a calibration (PCA bases + bit plans) for a model on a corpus",
-                       description="Run a model over a corpus and fit KVTC's PCA bases and bit plans.")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="hub id, local HF directory, or 'default' (the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--corpus", nargs="+", default=[DEFAULT_CORPUS],
-                   help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia")
+    p = sub.add_parser(
+        "calibrate",
+        help="fit a calibration (PCA bases + bit plans) for a model on a corpus",
+        description="Run a model over a corpus and fit KVTC's PCA bases and bit plans.",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="hub id, local HF directory, or 'default' (the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--corpus",
+        nargs="+",
+        default=[DEFAULT_CORPUS],
+        help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia",
+    )
     p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
-    p.add_argument("--ratios", type=ratio_value, nargs="+", help="target ratios to plan (default 6 7 7.5 8 10 12 16 24 32 48 64)")
-    p.add_argument("--kv-split", choices=("joint", "equal"), default="joint",
-                   help="joint: keys and values share one bit budget, split where the weighted relative error "
-                        "is least (default); equal: the same budget for each")
-    p.add_argument("--value-weight", type=positive_float, default=None,
-                   help="weight of the values' relative error in the joint split (default 2)")
-    p.add_argument("--sensitivity", choices=("fisher", "none"), default="fisher",
-                   help="fisher: weigh each cached feature by the loss's measured sensitivity before the PCA "
-                        "and DP (default); none: the paper's plain squared error")
-    p.add_argument("--sampling", choices=("spread", "first"), default="spread",
-                   help="spread: calibration windows drawn across all the corpus's documents (default); first: "
-                        "consecutive windows from its first documents on")
-    p.add_argument("--types", default="all",
-                   help="quantization types the DP may use: all (default: the paper's int2, int4, fp8 plus our int3 "
-                        "and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), or a comma-separated "
-                        "list of type names")
+    p.add_argument(
+        "--ratios", type=ratio_value, nargs="+", help="target ratios to plan (default 6 7 7.5 8 10 12 16 24 32 48 64)"
+    )
+    p.add_argument(
+        "--kv-split",
+        choices=("joint", "equal"),
+        default="joint",
+        help="joint: keys and values share one bit budget, split where the weighted relative error "
+        "is least (default); equal: the same budget for each",
+    )
+    p.add_argument(
+        "--value-weight",
+        type=positive_float,
+        default=None,
+        help="weight of the values' relative error in the joint split (default 2)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        choices=("fisher", "none"),
+        default="fisher",
+        help="fisher: weigh each cached feature by the loss's measured sensitivity before the PCA "
+        "and DP (default); none: the paper's plain squared error",
+    )
+    p.add_argument(
+        "--sampling",
+        choices=("spread", "first"),
+        default="spread",
+        help="spread: calibration windows drawn across all the corpus's documents (default); first: "
+        "consecutive windows from its first documents on",
+    )
+    p.add_argument(
+        "--types",
+        default="all",
+        help="quantization types the DP may use: all (default: the paper's int2, int4, fp8 plus our int3 "
+        "and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), or a comma-separated "
+        "list of type names",
+    )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
-    p.add_argument("--out", type=Path,
-                   help="calibration file to write (default model, corpus and recipe: the cached default calibration)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="calibration file to write (default model, corpus and recipe: the cached default calibration)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("--device", default="cpu")
     p.set_defaults(run=run_calibrate)
@@ -61,26 +95,49 @@ def run_calibrate(args: argparse.Namespace) -> int:
         path = default_calibration(recipe, progress=True)  # the cached default of that recipe, built once
     else:
         if args.out is None:
-            raise KVTCError("--out is required unless the model, the corpus and the recipe options are the defaults "
-                            "(the cached default calibration); e.g. --out my.safetensors")
+            raise KVTCError(
+                "--out is required unless the model, the corpus and the recipe options are the defaults "
+                "(the cached default calibration); e.g. --out my.safetensors"
+            )
         if args.out.exists() and not args.force:
-            raise KVTCError(f"{args.out} exists; pass --force to replace it (it is only replaced once the new one is complete)")
+            raise KVTCError(
+                f"{args.out} exists; pass --force to replace it (it is only replaced once the new one is complete)"
+            )
         corpus = args.corpus[0] if len(args.corpus) == 1 and args.corpus[0] in assets.BUILTIN_CORPORA else args.corpus
         texts = assets.corpus(corpus)
         model, tok = assets.load_model(args.model, device=args.device)
         name = assets.DEFAULT_MODEL if is_default_model(args.model) else str(args.model)
-        cal = calibrate_model(model, tok, texts, recipe, model_id=name, progress=True,
-                              corpus={"name": corpus if isinstance(corpus, str) else "files", "documents": len(texts)})
+        cal = calibrate_model(
+            model,
+            tok,
+            texts,
+            recipe,
+            model_id=name,
+            progress=True,
+            corpus={"name": corpus if isinstance(corpus, str) else "files", "documents": len(texts)},
+        )
         path = cal.save(args.out)
     cal = Calibration.load(path)
     secs = cal.stats.get("seconds", {})
     print(f"calibration: {path}")
-    print(f"  model {cal.model_id or '?'}, layout {len(cal.layout.layers)} layers x {cal.layout.num_kv_heads} KV heads "
-          f"x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {cal.fingerprint}")
+    print(
+        f"  model {cal.model_id or '?'}, layout {len(cal.layout.layers)} layers x {cal.layout.num_kv_heads} KV heads "
+        f"x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {cal.fingerprint}"
+    )
     sens = cal.corpus.get("sensitivity") or {}
-    print(f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}")
-    used = sorted({TYPE_NAMES[t] for by_kind in cal.plans.values() for pls in by_kind.values() for pl in pls
-                   for _, t, _ in pl.segments if t != DROP})
+    print(
+        f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}"
+    )
+    used = sorted(
+        {
+            TYPE_NAMES[t]
+            for by_kind in cal.plans.values()
+            for pls in by_kind.values()
+            for pl in pls
+            for _, t, _ in pl.segments
+            if t != DROP
+        }
+    )
     print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
     print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")
     return 0
@@ -91,8 +148,13 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
     from ..calibration.recipe import Recipe
 
     given = {name: getattr(args, name) for name in ("tokens", "ratios", "window", "value_weight")}
-    return Recipe(kv_split=args.kv_split, sensitivity=args.sensitivity, sampling=args.sampling,
-                  types=parse_types(args.types), **{k: v for k, v in given.items() if v is not None})
+    return Recipe(
+        kv_split=args.kv_split,
+        sensitivity=args.sensitivity,
+        sampling=args.sampling,
+        types=parse_types(args.types),
+        **{k: v for k, v in given.items() if v is not None},
+    )
 
 
 def parse_types(spec: str) -> tuple[int, ...]:
@@ -107,6 +169,8 @@ def parse_types(spec: str) -> tuple[int, ...]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     bad = [n for n in names if n not in TYPE_CODES or TYPE_CODES[n] == DROP]
     if bad or not names:
-        raise KVTCError(f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, or names from "
-                        f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}")
+        raise KVTCError(
+            f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, or names from "
+            f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}"
+        )
     return tuple(dict.fromkeys(TYPE_CODES[n] for n in names))

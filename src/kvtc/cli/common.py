@@ -67,8 +67,10 @@ def check_out(path: Path | None, what: str) -> None:
         raise KVTCError(f"{path} exists and is not a regular file; give another path for the {what}")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise KVTCError(f"the directory {parent} does not exist; create it first (kvtc does not create directories "
-                        f"for the {what})")
+        raise KVTCError(
+            f"the directory {parent} does not exist; create it first (kvtc does not create directories for the {what})"
+        )
+
 
 DEFAULT_MODEL = "default"
 #: what :func:`kvtc.calibration.load_calibration` resolves to the embedded model's calibration
@@ -77,8 +79,11 @@ DEFAULT_CALIBRATION = "default"
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="hub id, local HF directory, or 'default' (SmolLM2)")
-    p.add_argument("--calibration", default=DEFAULT_CALIBRATION,
-                   help="calibration file, or 'default' (the embedded model's, built on first use)")
+    p.add_argument(
+        "--calibration",
+        default=DEFAULT_CALIBRATION,
+        help="calibration file, or 'default' (the embedded model's, built on first use)",
+    )
 
 
 def add_text_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -115,8 +120,9 @@ def encode_text(tok: Any, text: str, chat: bool) -> Any:
     import torch
 
     if chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return torch.tensor([list(ids)], dtype=torch.int64)
     return tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]

@@ -11,9 +11,9 @@ from typing import Any
 
 from ..errors import KVTCError
 from .common import (
+    MAX_TOKENS,
     add_model_args,
     add_text_args,
-    MAX_TOKENS,
     check_out,
     encode_text,
     load_model,
@@ -32,8 +32,11 @@ TOKENS_FORMAT = "kvtc-tokens"
 
 
 def add_compress(sub: Any) -> None:
-    p = sub.add_parser("compress", help="prefill a prompt or file and write its compressed KV cache (.kvtc)",
-                       description="Prefill the text with the model and write its KV cache as a kvtc blob.")
+    p = sub.add_parser(
+        "compress",
+        help="prefill a prompt or file and write its compressed KV cache (.kvtc)",
+        description="Prefill the text with the model and write its KV cache as a kvtc blob.",
+    )
     add_text_args(p, required=True)
     add_model_args(p)
     p.add_argument("--ratio", type=ratio_value, default=16, help="target compression ratio (default %(default)s)")
@@ -83,8 +86,13 @@ def _tokens_path(blob_path: Path) -> Path:
 
 
 def _tokens_record(blob: bytes, ids: Any, chat: bool) -> bytes:
-    rec = {"format": TOKENS_FORMAT, "version": 1, "blob_sha256": hashlib.sha256(blob).hexdigest(),
-           "chat": chat, "token_ids": ids.tolist()}
+    rec = {
+        "format": TOKENS_FORMAT,
+        "version": 1,
+        "blob_sha256": hashlib.sha256(blob).hexdigest(),
+        "chat": chat,
+        "token_ids": ids.tolist(),
+    }
     return json.dumps(rec).encode()
 
 
@@ -106,11 +114,17 @@ def read_tokens(blob_path: Path, blob: bytes) -> list[list[int]] | None:
         raise KVTCError(f"{path} is not a kvtc token record; delete it and pass the text with --prompt/--file")
     if rec.get("blob_sha256") != hashlib.sha256(blob).hexdigest():
         raise KVTCError(f"{path} belongs to another version of {blob_path}; pass the text with --prompt/--file")
-    if not (isinstance(ids, list) and ids and all(isinstance(row, list) and row for row in ids)
-            and len({len(row) for row in ids}) == 1
-            and len(ids) * len(ids[0]) <= MAX_TOKENS
-            and all(type(t) is int and 0 <= t < 1 << 31 for row in ids for t in row)):
-        raise KVTCError(f"{path}: token_ids must be a batch of equal-length, non-empty rows of at most {MAX_TOKENS} token "
-                        "ids in all; delete it "
-                        "and pass the text with --prompt/--file")
+    if not (
+        isinstance(ids, list)
+        and ids
+        and all(isinstance(row, list) and row for row in ids)
+        and len({len(row) for row in ids}) == 1
+        and len(ids) * len(ids[0]) <= MAX_TOKENS
+        and all(type(t) is int and 0 <= t < 1 << 31 for row in ids for t in row)
+    ):
+        raise KVTCError(
+            f"{path}: token_ids must be a batch of equal-length, non-empty rows of at most {MAX_TOKENS} token "
+            "ids in all; delete it "
+            "and pass the text with --prompt/--file"
+        )
     return ids

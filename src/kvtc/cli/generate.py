@@ -14,11 +14,14 @@ from .compress import read_tokens
 
 
 def add_generate(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate text, optionally resuming from a compressed cache",
-                       description="Greedy generation. With --resume, the KV of the context comes from a .kvtc "
-                                   "file instead of a prefill. The context is the token record `kvtc compress` "
-                                   "wrote beside the file, or --prompt/--file (whose first tokens the cache "
-                                   "holds, as with transformers' past_key_values).")
+    p = sub.add_parser(
+        "generate",
+        help="generate text, optionally resuming from a compressed cache",
+        description="Greedy generation. With --resume, the KV of the context comes from a .kvtc "
+        "file instead of a prefill. The context is the token record `kvtc compress` "
+        "wrote beside the file, or --prompt/--file (whose first tokens the cache "
+        "holds, as with transformers' past_key_values).",
+    )
     add_text_args(p, required=False)
     add_model_args(p)
     p.add_argument("--resume", type=Path, help="a .kvtc file written by `kvtc compress`")
@@ -45,11 +48,15 @@ def run_generate(args: argparse.Namespace) -> int:
         raise KVTCError("give --prompt/--file, or --resume FILE")
     text = read_text(args) if args.prompt is not None or args.file is not None else None
     if recorded is not None and text is None and len(recorded[0]) < info["tokens"]:
-        raise KVTCError(f"the token record beside {args.resume} holds {len(recorded[0])} tokens, fewer than the "
-                        f"{info['tokens']} the cache holds; pass the text with --prompt/--file")
+        raise KVTCError(
+            f"the token record beside {args.resume} holds {len(recorded[0])} tokens, fewer than the "
+            f"{info['tokens']} the cache holds; pass the text with --prompt/--file"
+        )
     if recorded is not None and text is None and len(recorded) != info["batch"]:
-        raise KVTCError(f"the token record beside {args.resume} holds {len(recorded)} rows for a batch of "
-                        f"{info['batch']}; pass the text with --prompt/--file")
+        raise KVTCError(
+            f"the token record beside {args.resume} holds {len(recorded)} rows for a batch of "
+            f"{info['batch']}; pass the text with --prompt/--file"
+        )
     model, tok = load_model(args.model)
     cache = None
     t_restore = 0.0
@@ -62,14 +69,20 @@ def run_generate(args: argparse.Namespace) -> int:
         elif recorded is not None:
             ids = torch.tensor(recorded, dtype=torch.int64)
             if int(ids.max()) >= len(tok):
-                raise KVTCError(f"the token record beside {args.resume} holds ids beyond the vocabulary of "
-                                f"{len(tok)}; it was made with another model")
+                raise KVTCError(
+                    f"the token record beside {args.resume} holds ids beyond the vocabulary of "
+                    f"{len(tok)}; it was made with another model"
+                )
         else:
-            raise KVTCError(f"{args.resume} has no token record beside it; pass the text it was made from with --prompt/--file")
+            raise KVTCError(
+                f"{args.resume} has no token record beside it; pass the text it was made from with --prompt/--file"
+            )
         held = cache.get_seq_length()
         if ids.shape[0] != info["batch"] or ids.shape[1] < held:
-            raise KVTCError(f"the cache holds {info['batch']} x {held} tokens but the context is "
-                            f"{ids.shape[0]} x {ids.shape[1]}; pass the text the cache was made from")
+            raise KVTCError(
+                f"the cache holds {info['batch']} x {held} tokens but the context is "
+                f"{ids.shape[0]} x {ids.shape[1]}; pass the text the cache was made from"
+            )
     else:
         ids = encode_text(tok, text, args.chat)
     if args.append:

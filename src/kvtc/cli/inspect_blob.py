@@ -32,10 +32,14 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     lay = info["layout"]
     print(f"{args.file}: kvtc {info['mode']} blob, {size(info['bytes'])}")
-    print(f"  model {info['model_id'] or '?'}; {len(lay['layers'])} KV layers x {len(lay['heads'])} heads x "
-          f"{lay['head_dim']} ({lay['dtype']})")
-    print(f"  batch {info['batch']} x {info['tokens']} tokens: {info['sinks']} sinks + {info['middle_tokens']} coded + "
-          f"{info['window']} window")
+    print(
+        f"  model {info['model_id'] or '?'}; {len(lay['layers'])} KV layers x {len(lay['heads'])} heads x "
+        f"{lay['head_dim']} ({lay['dtype']})"
+    )
+    print(
+        f"  batch {info['batch']} x {info['tokens']} tokens: {info['sinks']} sinks + {info['middle_tokens']} coded + "
+        f"{info['window']} window"
+    )
     if info["mode"] == "kvtc":
         print(f"  calibration {info['calibration'][:16]}, target {info['target_ratio']}x, packing {info['packing']}")
     print(f"  {ratio_line(info)}")

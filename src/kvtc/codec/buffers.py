@@ -56,8 +56,9 @@ def host_bytes(t: torch.Tensor) -> bytes:
     return host.numpy().tobytes()
 
 
-def section_tensor(data: bytes | torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
-                   device: torch.device) -> torch.Tensor:
+def section_tensor(
+    data: bytes | torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     """A decoded section as a tensor on ``device``: host bytes are parsed little-endian, device bytes viewed."""
     if isinstance(data, torch.Tensor):
         count = int(np.prod(shape)) if shape else 1

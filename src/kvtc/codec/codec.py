@@ -17,7 +17,8 @@ An ``identity`` blob stores every token in ``raw.*`` and needs no calibration.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -183,8 +184,9 @@ class Codec:
         return out
 
     # ------------------------------------------------------------------ decode
-    def _open(self, blob: bytes | torch.Tensor, on_device: bool = False,
-              deferred: list[Any] | None = None) -> tuple[container.Header, dict[str, Any]]:
+    def _open(
+        self, blob: bytes | torch.Tensor, on_device: bool = False, deferred: list[Any] | None = None
+    ) -> tuple[container.Header, dict[str, Any]]:
         pinned = None
         if isinstance(blob, torch.Tensor):  # a blob held in (pinned) host memory as a uint8 tensor
             if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
@@ -208,8 +210,7 @@ class Codec:
             for name in dict.fromkeys(x.backend for x in header.sections):
                 coder = device_coder(name, self.device)
                 if coder is not None:
-                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned,
-                                                           deferred)
+                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
         return header, container.read_sections(blob, header, body, expected)
 
     def _expected_sections(self, h: container.Header) -> dict[str, int]:
@@ -227,8 +228,12 @@ class Codec:
                     exp.update(pl.section_sizes(f"{kind}.{g}", n, h.packing))
         return exp
 
-    def decode(self, blob: bytes | torch.Tensor, timings: dict[str, float] | None = None,
-               device: torch.device | str | None = None) -> KVSlice:
+    def decode(
+        self,
+        blob: bytes | torch.Tensor,
+        timings: dict[str, float] | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVSlice:
         """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
         (default: CPU). ``blob``: bytes, or a 1-D uint8 CPU tensor holding them (pinned host memory lets a GPU
         codec copy the coded streams to the device without staging)."""
@@ -253,12 +258,16 @@ class Codec:
                 m = header.middle_tokens
                 # the projection writes each sequence's middle tokens straight into the output where it can
                 # (one PCA group, output on the codec's device in the projection's dtype): no extra pass
-                direct = (self._fused and out_dev == self.device and len(self.calibration.columns) == 1  # type: ignore[union-attr]
-                          and dt == self._transform.out_dtype and (s + w == 0 or m >= DIRECT_MIN_TOKENS))
+                direct = (
+                    self._fused
+                    and out_dev == self.device
+                    and len(self.calibration.columns) == 1  # type: ignore[union-attr]
+                    and dt == self._transform.out_dtype
+                    and (s + w == 0 or m >= DIRECT_MIN_TOKENS)
+                )
                 views = None
                 if direct:  # one view when nothing is protected, else one per sequence
-                    views = ([full.view(B * m, -1)] if s + w == 0 else
-                             [full[b, s : T - w].view(m, -1) for b in range(B)])
+                    views = [full.view(B * m, -1)] if s + w == 0 else [full[b, s : T - w].view(m, -1) for b in range(B)]
                 rows = self._decode_rows(kind, header, secs, clock, views)
                 if rows is not None:
                     with clock("to_tokens"):
@@ -269,16 +278,31 @@ class Codec:
                 check()
         return KVSlice(lay, out["keys"], out["values"], positions, header.model_id)
 
-    def _coefficients(self, kind: str, g: int, header: container.Header, secs: dict[str, Any],
-                      clock: Clock) -> tuple[torch.Tensor, PlanLayout]:
+    def _coefficients(
+        self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock
+    ) -> tuple[torch.Tensor, PlanLayout]:
         pl = PlanLayout.build(self.calibration.plans[header.ratio][kind][g])  # type: ignore[union-attr,index]
         tr = self._transform
-        coeffs = self._quantizer.decode(f"{kind}.{g}", secs, pl, header.batch * header.middle_tokens, header.packing,
-                                        clock, tr.coefficient_dtype, tr.coefficient_columns(pl.components))  # type: ignore[union-attr]
+        coeffs = self._quantizer.decode(
+            f"{kind}.{g}",
+            secs,
+            pl,
+            header.batch * header.middle_tokens,
+            header.packing,
+            clock,
+            tr.coefficient_dtype,
+            tr.coefficient_columns(pl.components),
+        )  # type: ignore[union-attr]
         return coeffs, pl
 
-    def _decode_rows(self, kind: str, header: container.Header, secs: dict[str, Any], clock: Clock,
-                     out: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    def _decode_rows(
+        self,
+        kind: str,
+        header: container.Header,
+        secs: dict[str, Any],
+        clock: Clock,
+        out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """The middle tokens' feature rows ``[batch·middle, features]``; with ``out`` (one PCA group: each
         sequence's ``[middle, features]`` view of the output) they are written there and None is returned."""
         n = header.batch * header.middle_tokens
@@ -295,8 +319,9 @@ class Codec:
             rows[:, cols_all[g].to(self.device)] = x
         return rows
 
-    def decode_layers(self, blob: bytes, device: torch.device | str | None = None
-                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def decode_layers(
+        self, blob: bytes, device: torch.device | str | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(real layer index, keys, values)`` with keys/values ``[B, T, heads, head_dim]`` on ``device``
         (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
         layer's basis columns only."""

@@ -30,8 +30,8 @@ import torch
 
 from ..errors import FormatError, LayoutError, OutputBufferError
 from ..layout import KVLayout
-from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
 from .buffers import Parts
+from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
 from .entropy import EntropyCoder, decode_stream, encode_stream
 from .packing import PACKINGS
 
@@ -111,8 +111,13 @@ class Header:
         }
 
 
-def write(header: Header, payloads: list[tuple[str, Any]], backend: str,
-          timings: dict[str, float] | None = None, out: Any = None) -> Any:
+def write(
+    header: Header,
+    payloads: list[tuple[str, Any]],
+    backend: str,
+    timings: dict[str, float] | None = None,
+    out: Any = None,
+) -> Any:
     """Entropy-code each named payload with ``backend`` (raw fallback) and assemble the container.
     ``timings``: receives seconds of its steps (``container.code``, ``container.crc``, ``container.join``).
     ``out``: a writable buffer (see :func:`write_into`) that receives the container instead of a new ``bytes``;
@@ -132,8 +137,10 @@ def write(header: Header, payloads: list[tuple[str, Any]], backend: str,
         crcs.append(crc or 0)
     bodies = [b for ps in pieces for b in ps]
     t2 = time.perf_counter()
-    sections = [Section(name, used, len(data), len(coded), crc)
-                for (name, data), (used, coded), crc in zip(payloads, coded_all, crcs)]
+    sections = [
+        Section(name, used, len(data), len(coded), crc)
+        for (name, data), (used, coded), crc in zip(payloads, coded_all, crcs)
+    ]
     header.sections = sections
     hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
     if len(hdr) > MAX_HEADER_BYTES:
@@ -141,8 +148,9 @@ def write(header: Header, payloads: list[tuple[str, Any]], backend: str,
     parts = [PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies]
     blob = b"".join(parts) if out is None else write_into(out, parts)
     if timings is not None:
-        timings.update({"container.code": t1 - t0, "container.crc": t2 - t1,
-                        "container.join": time.perf_counter() - t2})
+        timings.update(
+            {"container.code": t1 - t0, "container.crc": t2 - t1, "container.join": time.perf_counter() - t2}
+        )
     return blob
 
 
@@ -156,20 +164,24 @@ def write_into(out: Any, parts: list[Any]) -> Any:
     tensor = isinstance(out, torch.Tensor)
     if tensor:
         if out.device.type != "cpu" or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
-            raise OutputBufferError("an output tensor must be a contiguous 1-D uint8 CPU tensor (e.g. pinned host "
-                                    "memory)")
+            raise OutputBufferError(
+                "an output tensor must be a contiguous 1-D uint8 CPU tensor (e.g. pinned host memory)"
+            )
         dst = out.numpy().view(np.uint8)
     else:
         try:
             dst = np.frombuffer(out, dtype=np.uint8)
         except (TypeError, ValueError, BufferError):
-            raise OutputBufferError(f"cannot write a blob into a {type(out).__name__}; pass a bytearray, a "
-                                    "writable memoryview or numpy array, or a uint8 CPU tensor") from None
+            raise OutputBufferError(
+                f"cannot write a blob into a {type(out).__name__}; pass a bytearray, a "
+                "writable memoryview or numpy array, or a uint8 CPU tensor"
+            ) from None
         if not dst.flags.writeable:
             raise OutputBufferError(f"the output buffer ({type(out).__name__}) is read-only")
     if total > dst.size:
-        raise OutputBufferError(f"the blob needs {total} bytes and the output buffer holds {dst.size}; "
-                                "pass a larger buffer", needed=total)
+        raise OutputBufferError(
+            f"the blob needs {total} bytes and the output buffer holds {dst.size}; pass a larger buffer", needed=total
+        )
     jobs, off = [], 0
     for v in views:
         src = np.frombuffer(v, dtype=np.uint8)
@@ -193,7 +205,9 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     if magic != MAGIC:
         raise FormatError("not a kvtc blob (bad magic); was it written by kvtc?")
     if version != VERSION:
-        raise FormatError(f"kvtc container version {version} is not supported (this kvtc reads {VERSION}); upgrade kvtc")
+        raise FormatError(
+            f"kvtc container version {version} is not supported (this kvtc reads {VERSION}); upgrade kvtc"
+        )
     if flags != 0:
         raise FormatError(f"unknown container flags {flags:#x}; the blob is corrupt or from a newer kvtc")
     if not 16 <= hlen <= MAX_HEADER_BYTES:
@@ -254,9 +268,16 @@ def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT
     return need
 
 
-def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: int,
-                  expected_raw: dict[str, int] | None = None, coder: EntropyCoder | None = None, backend: str | None = None,
-                  pinned: Any = None, deferred: list[Any] | None = None) -> dict[str, Any]:
+def read_sections(
+    blob: bytes | bytearray | memoryview,
+    header: Header,
+    body: int,
+    expected_raw: dict[str, int] | None = None,
+    coder: EntropyCoder | None = None,
+    backend: str | None = None,
+    pinned: Any = None,
+    deferred: list[Any] | None = None,
+) -> dict[str, Any]:
     """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived.
 
     With ``coder`` (the GPU coder of entropy backend ``backend``), that backend's sections are decoded on its
@@ -270,7 +291,9 @@ def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: in
     if expected_raw is not None:
         names = [s.name for s in header.sections]
         if names != list(expected_raw):
-            raise FormatError(f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}")
+            raise FormatError(
+                f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}"
+            )
     chunks, offsets, off = [], [], body
     for s in header.sections:
         if expected_raw is not None and expected_raw[s.name] != s.raw:
@@ -285,11 +308,15 @@ def read_sections(blob: bytes | bytearray | memoryview, header: Header, body: in
     if on_device:
         raws = [header.sections[i].raw for i in on_device]
         try:
-            dec = coder.decode([chunks[i] for i in on_device], raws,
-                               None if pinned is None else (pinned, [offsets[i] for i in on_device]))
+            dec = coder.decode(
+                [chunks[i] for i in on_device],
+                raws,
+                None if pinned is None else (pinned, [offsets[i] for i in on_device]),
+            )
             out.update({header.sections[i].name: t for i, t in zip(on_device, dec)})
         except FormatError as e:  # reported after the checksums: a damaged blob says so first
             device_error = e
+
     def check() -> None:
         for s, crc in zip(header.sections, pending.result()):
             if crc != s.crc32:
@@ -337,7 +364,9 @@ def _parse_header(d: Any) -> Header:
         raise FormatError(f"container layout invalid: {e}") from None
     batch, tokens = _req(d, "batch", int), _req(d, "tokens", int)
     sinks, window = _req(d, "sinks", int), _req(d, "window", int)
-    if not (0 <= batch <= MAX_BATCH and 0 <= tokens <= MAX_TOKENS and 0 <= sinks <= MAX_TOKENS and 0 <= window <= MAX_TOKENS):
+    if not (
+        0 <= batch <= MAX_BATCH and 0 <= tokens <= MAX_TOKENS and 0 <= sinks <= MAX_TOKENS and 0 <= window <= MAX_TOKENS
+    ):
         raise FormatError("container token counts out of range")
     if layout.num_features > 1 << 24:
         raise FormatError("container layout too large")

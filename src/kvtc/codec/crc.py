@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import os
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Sequence
 
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 #: buffers at least this large are checksummed in pieces of this size
@@ -33,7 +33,7 @@ def _multmodp(a: int, b: int) -> int:
     return p
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _x2n(k: int) -> int:
     """x^(2^k) mod P."""
     return 1 << 30 if k == 0 else _multmodp(_x2n(k - 1), _x2n(k - 1))

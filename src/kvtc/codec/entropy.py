@@ -15,8 +15,9 @@ that does not shrink is stored with the ``raw`` backend.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -37,8 +38,7 @@ class EntropyCoder(Protocol):
         """One coded stream per payload (host coders: bytes; GPU coders: uint8 device tensors)."""
         ...
 
-    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
-               pinned: Pinned | None = None) -> list[Any]:
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: Pinned | None = None) -> list[Any]:
         """Each stream decoded to exactly its ``raw_lens`` bytes (host coders: bytes; GPU coders: uint8 device
         tensors); a corrupt stream raises :class:`~kvtc.errors.FormatError`. ``pinned``: where the streams
         also lie in pinned host memory (a GPU coder may copy from there)."""
@@ -58,8 +58,7 @@ class Backend:
     def encode(self, payloads: list[Any]) -> list[bytes | Parts]:
         return [self.compress(p) for p in payloads]
 
-    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
-               pinned: Pinned | None = None) -> list[Any]:
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: Pinned | None = None) -> list[Any]:
         return [self.decompress(s, n) for s, n in zip(streams, raw_lens)]
 
 
@@ -190,5 +189,16 @@ def decode_stream(data: bytes, backend: str, raw_len: int) -> bytes:
     return get_backend(backend).decode([data], [raw_len])[0]
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "Backend", "EntropyCoder", "Parts", "Pinned", "Precoded", "decode_stream",
-           "device_coder", "encode_stream", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "Backend",
+    "EntropyCoder",
+    "Parts",
+    "Pinned",
+    "Precoded",
+    "decode_stream",
+    "device_coder",
+    "encode_stream",
+    "get_backend",
+]

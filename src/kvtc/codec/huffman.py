@@ -230,8 +230,10 @@ def parse(data: bytes | bytearray | memoryview, raw_len: int) -> _Parsed:
     if c and int(words.max()) > MAX_BLOCK_WORDS:
         raise FormatError(f"{NAME} block declares {int(words.max())} words, at most {MAX_BLOCK_WORDS} possible")
     if 4 * int(words.sum()) != len(mv) - head:
-        raise FormatError(f"{NAME} word counts ({4 * int(words.sum())} bytes) do not match the "
-                          f"{len(mv) - head} bytes after the header")
+        raise FormatError(
+            f"{NAME} word counts ({4 * int(words.sum())} bytes) do not match the "
+            f"{len(mv) - head} bytes after the header"
+        )
     _check_lengths(lengths)
     if c:
         present = lengths[lengths > 0]
@@ -345,8 +347,9 @@ _HOLE = np.uint32(0xFFFFFF00)  # a table hole: symbol 0, length 2**24 - 1, so th
 _PY_BLOCKS = 32
 
 
-def _decode_blocks_py(payload: np.ndarray, wstart: np.ndarray, words: np.ndarray, nbytes: np.ndarray,
-                      table: np.ndarray, out: np.ndarray) -> None:
+def _decode_blocks_py(
+    payload: np.ndarray, wstart: np.ndarray, words: np.ndarray, nbytes: np.ndarray, table: np.ndarray, out: np.ndarray
+) -> None:
     """The scalar decoder of a few blocks: the same acceptance rules as the lockstep one."""
     tab = table.tolist()
     mask = _TABLE - 1
@@ -369,8 +372,9 @@ def _decode_blocks_py(payload: np.ndarray, wstart: np.ndarray, words: np.ndarray
             nbits -= ln
             used += ln
         if used > 32 * cnt or (used + 31) >> 5 != cnt:
-            raise FormatError(f"{NAME}: a block does not decode to its byte count within exactly its words "
-                              "(corrupt stream)")
+            raise FormatError(
+                f"{NAME}: a block does not decode to its byte count within exactly its words (corrupt stream)"
+            )
         if acc:  # what is left is the last word's padding (and zero words past it)
             raise FormatError(f"{NAME}: nonzero padding after a block's last code (corrupt stream)")
         out[b * BLOCK : b * BLOCK + n] = np.frombuffer(res, dtype=np.uint8)
@@ -427,8 +431,9 @@ def cpu_decompress(data: bytes | bytearray | memoryview, raw_len: int) -> bytes:
             pos[-1] = tail_pos
         used = (pos - first).astype(np.int64)
         if ((used > cnt * 32) | (((used + 31) >> 5) != cnt)).any():
-            raise FormatError(f"{NAME}: a block does not decode to its byte count within exactly its words "
-                              "(corrupt stream)")
+            raise FormatError(
+                f"{NAME}: a block does not decode to its byte count within exactly its words (corrupt stream)"
+            )
         last = payload[wstart[g0 + 1 : g1 + 1] - 1].astype(np.uint64)  # every block has >= 1 word
         rem = used % 32  # bits used of the last word (0: all of it)
         if np.where(rem > 0, last >> rem.astype(np.uint64), 0).any():
@@ -440,7 +445,22 @@ def cpu_decompress(data: bytes | bytearray | memoryview, raw_len: int) -> bytes:
     return out.tobytes()
 
 
-
-__all__ = ["NAME", "BLOCK", "HEAD", "MAX_LEN", "byte_histogram", "canonical_codes", "canonical_codes_batch",
-           "code_lengths", "code_lengths_batch", "cpu_compress", "cpu_decompress", "decode_table", "encode_table",
-           "encode_tables", "pack_lengths", "parse", "unpack_lengths"]
+__all__ = [
+    "NAME",
+    "BLOCK",
+    "HEAD",
+    "MAX_LEN",
+    "byte_histogram",
+    "canonical_codes",
+    "canonical_codes_batch",
+    "code_lengths",
+    "code_lengths_batch",
+    "cpu_compress",
+    "cpu_decompress",
+    "decode_table",
+    "encode_table",
+    "encode_tables",
+    "pack_lengths",
+    "parse",
+    "unpack_lengths",
+]

@@ -21,8 +21,18 @@ import numpy as np
 
 from ..errors import FormatError
 from .buffers import Parts, align
-from .huffman import (_TABLE, _U32, BLOCK, NAME, _block_sizes, code_lengths_batch, decode_table, encode_tables,
-                      pack_lengths, parse)
+from .huffman import (
+    _TABLE,
+    _U32,
+    BLOCK,
+    NAME,
+    _block_sizes,
+    code_lengths_batch,
+    decode_table,
+    encode_tables,
+    pack_lengths,
+    parse,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -34,9 +44,9 @@ class DeviceCoder:
     """Batched ``huff4k`` coding of uint8 device tensors with the Triton kernels (one launch per batch)."""
 
     def __init__(self, device: Any):
-        import torch
-
         from concurrent.futures import ThreadPoolExecutor
+
+        import torch
 
         from ..kernels import triton_huffman
 
@@ -76,8 +86,10 @@ class DeviceCoder:
         if base is None:
             return torch.zeros(16, dtype=torch.uint8, device=self.device), [0] * len(flat), []
         b0 = base.data_ptr()
-        starts = [(t.data_ptr() - b0 if good else scratch.data_ptr() + p - b0) if t.numel() else 0
-                  for t, good, p in zip(flat, ok, pos)]
+        starts = [
+            (t.data_ptr() - b0 if good else scratch.data_ptr() + p - b0) if t.numel() else 0
+            for t, good, p in zip(flat, ok, pos)
+        ]
         return base, starts, [scratch, *flat]
 
     def encode_device(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
@@ -102,8 +114,13 @@ class DeviceCoder:
             nb += c
         if nb == 0:
             lengths = np.zeros((len(flat), 256), dtype=np.uint8)
-            return {"lengths": lengths, "words": np.zeros(0, np.int64), "spans": spans,
-                    "out": torch.zeros(0, dtype=torch.int32, device=dev), "wstart": [0] * len(flat)}
+            return {
+                "lengths": lengths,
+                "words": np.zeros(0, np.int64),
+                "spans": spans,
+                "out": torch.zeros(0, dtype=torch.int32, device=dev),
+                "wstart": [0] * len(flat),
+            }
         base, starts, keep = self._sources(flat)
         # per-block arrays, built on the device from per-stream numbers: byte offset from base, byte count
         per = torch.tensor([starts, sizes, [a for a, _ in spans], nblk], dtype=torch.int64).to(dev, non_blocking=True)
@@ -165,8 +182,9 @@ class DeviceCoder:
         return out
 
     # ---- decode
-    def stage(self, streams: list[bytes | memoryview], raw_lens: list[int],
-              pinned: tuple[Any, list[int]] | None = None) -> dict[str, Any]:
+    def stage(
+        self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: tuple[Any, list[int]] | None = None
+    ) -> dict[str, Any]:
         """Validate the streams' headers and copy their words to the device (through pinned memory).
 
         ``pinned``: ``(tensor, offsets)`` when the streams lie in a pinned uint8 host tensor at those byte
@@ -206,14 +224,23 @@ class DeviceCoder:
                     jobs.append((buf[wb + j : wb + min(k, j + _COPY_WORDS)], src[j : j + _COPY_WORDS]))
             list(self.pool.map(lambda j: j[0].__setitem__(slice(None), j[1]), jobs))  # numpy copies drop the GIL
         dtab = np.concatenate([decode_table(p.lengths).astype(np.int16) for p in parsed] + [np.zeros(0, np.int16)])
-        blk_wo = np.concatenate([wb + np.concatenate(([0], np.cumsum(p.words)[:-1])).astype(np.int64)
-                                 for p, wb in zip(parsed, wbase) if len(p.words)] + [np.zeros(0, np.int64)])
+        blk_wo = np.concatenate(
+            [
+                wb + np.concatenate(([0], np.cumsum(p.words)[:-1])).astype(np.int64)
+                for p, wb in zip(parsed, wbase)
+                if len(p.words)
+            ]
+            + [np.zeros(0, np.int64)]
+        )
         blk_nw = np.concatenate([p.words for p in parsed] + [np.zeros(0, np.int64)])
         blk_n = np.concatenate([_block_sizes(n) for n in raw_lens] + [np.zeros(0, np.int64)])
-        blk_out = np.concatenate([ob + BLOCK * np.arange(len(p.words), dtype=np.int64)
-                                  for p, ob in zip(parsed, obase)] + [np.zeros(0, np.int64)])
-        blk_tab = np.concatenate([np.full(len(p.words), _TABLE * i, dtype=np.int64)
-                                  for i, p in enumerate(parsed)] + [np.zeros(0, np.int64)])
+        blk_out = np.concatenate(
+            [ob + BLOCK * np.arange(len(p.words), dtype=np.int64) for p, ob in zip(parsed, obase)]
+            + [np.zeros(0, np.int64)]
+        )
+        blk_tab = np.concatenate(
+            [np.full(len(p.words), _TABLE * i, dtype=np.int64) for i, p in enumerate(parsed)] + [np.zeros(0, np.int64)]
+        )
         nb = len(blk_n)
         t1 = time.perf_counter()
         meta = torch.from_numpy(np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab]))
@@ -225,10 +252,19 @@ class DeviceCoder:
         self._sync()
         t2 = time.perf_counter()
         self.last = {"parse_stage_s": t1 - t0, "h2d_s": t2 - t1}
-        return {"nb": nb, "words": d_words, "tab": d_tab, "raw_lens": list(raw_lens), "obase": obase,
-                "out_bytes": out_bytes, "blk_wo": d_meta[:nb], "blk_out": d_meta[nb : 2 * nb],
-                "blk_nw": d_meta[2 * nb : 3 * nb].to(torch.int32), "blk_n": d_meta[3 * nb : 4 * nb].to(torch.int32),
-                "blk_tab": d_meta[4 * nb :].to(torch.int32)}
+        return {
+            "nb": nb,
+            "words": d_words,
+            "tab": d_tab,
+            "raw_lens": list(raw_lens),
+            "obase": obase,
+            "out_bytes": out_bytes,
+            "blk_wo": d_meta[:nb],
+            "blk_out": d_meta[nb : 2 * nb],
+            "blk_nw": d_meta[2 * nb : 3 * nb].to(torch.int32),
+            "blk_n": d_meta[3 * nb : 4 * nb].to(torch.int32),
+            "blk_tab": d_meta[4 * nb :].to(torch.int32),
+        }
 
     def decode_device(self, st: dict[str, Any]) -> list[torch.Tensor]:
         """Decode staged streams on the device; raises FormatError when any block is corrupt."""
@@ -236,15 +272,22 @@ class DeviceCoder:
         out = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
         if st["nb"]:
             err = torch.zeros(1, dtype=torch.int32, device=self.device)
-            self.k.decode(st["words"], st["blk_wo"], st["blk_nw"], st["blk_n"], st["blk_tab"], st["blk_out"],
-                          st["tab"], out, err)
+            self.k.decode(
+                st["words"], st["blk_wo"], st["blk_nw"], st["blk_n"], st["blk_tab"], st["blk_out"], st["tab"], out, err
+            )
             if int(err.item()):  # the one sync of a decode
-                raise FormatError(f"{NAME}: a block is corrupt (a code not in the table, not exactly its byte "
-                                  "count within exactly its words, or nonzero padding)")
+                raise FormatError(
+                    f"{NAME}: a block is corrupt (a code not in the table, not exactly its byte "
+                    "count within exactly its words, or nonzero padding)"
+                )
         return [out[o : o + n] for o, n in zip(st["obase"], st["raw_lens"])]
 
-    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
-               pinned: tuple[torch.Tensor, list[int]] | None = None) -> list[torch.Tensor]:
+    def decode(
+        self,
+        streams: list[bytes | memoryview],
+        raw_lens: list[int],
+        pinned: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> list[torch.Tensor]:
         """Decode ``huff4k`` streams into uint8 device tensors of exactly ``raw_lens`` bytes. ``pinned``:
         ``(tensor, offsets)`` when the streams lie in a pinned uint8 host tensor at those byte offsets
         (:meth:`stage` copies them from there)."""

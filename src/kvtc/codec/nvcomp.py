@@ -100,8 +100,13 @@ class _CudaBuffer:
     """A raw device range with ``__cuda_array_interface__`` (what nvCOMP's array import reads)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 class DeviceCoder:
@@ -146,8 +151,10 @@ class DeviceCoder:
         t0 = time.perf_counter()
         dst = torch.empty(len(sizes) * _SLOT, dtype=torch.uint8, device=self.device)
         try:
-            enc = self.codec.encode(self._batch(src, offs, sizes),
-                                    out=self._batch(dst, [i * _SLOT for i in range(len(sizes))], [_SLOT] * len(sizes)))
+            enc = self.codec.encode(
+                self._batch(src, offs, sizes),
+                out=self._batch(dst, [i * _SLOT for i in range(len(sizes))], [_SLOT] * len(sizes)),
+            )
             got = [int(x) for x in enc.buffer_sizes]  # waits for the coder
         except (TypeError, ValueError, RuntimeError):  # a package without out= batches: one copy per chunk
             enc = self.codec.encode(self._batch(src, offs, sizes))
@@ -163,7 +170,9 @@ class DeviceCoder:
         out = []
         for a, b in spans:
             table = np.asarray(got[a:b], dtype="<u4").tobytes()
-            out.append(b"".join([_U32.pack(b - a), table, *(h[i * _SLOT : i * _SLOT + got[i]].data for i in range(a, b))]))
+            out.append(
+                b"".join([_U32.pack(b - a), table, *(h[i * _SLOT : i * _SLOT + got[i]].data for i in range(a, b))])
+            )
         self.last = {"gpu_code_s": t1 - t0, "d2h_s": t2 - t1, "frame_s": time.perf_counter() - t2}
         return out
 
@@ -210,14 +219,18 @@ class DeviceCoder:
         """:meth:`compress` (the entropy coder protocol's name)."""
         return self.compress(tensors)
 
-    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int],
-               pinned: tuple[torch.Tensor, list[int]] | None = None) -> list[torch.Tensor]:
+    def decode(
+        self,
+        streams: list[bytes | memoryview],
+        raw_lens: list[int],
+        pinned: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> list[torch.Tensor]:
         """:meth:`decompress` (the entropy coder protocol's name); the streams are staged from host memory
         whether or not they lie in ``pinned``."""
         return self.decompress(streams, raw_lens)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nvcomp() -> Any:
     try:
         from nvidia import nvcomp  # type: ignore[import-not-found]

@@ -17,8 +17,22 @@ import torch
 
 from .. import kernels
 from ..calibration.dp import Plan
-from ..quant import (DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S, TYPE_BITS, TYPE_NAMES, dequantize,
-                     param_rows, quantize)
+from ..quant import (
+    DROP,
+    FP8,
+    FP8S,
+    INT2,
+    INT2S,
+    INT3,
+    INT3S,
+    INT4,
+    INT4S,
+    TYPE_BITS,
+    TYPE_NAMES,
+    dequantize,
+    param_rows,
+    quantize,
+)
 from .buffers import from_le, le_bytes, section_tensor
 from .clock import Clock
 from .packing import pack, packed_plane_bytes, unpack
@@ -51,8 +65,10 @@ class Bucket:
         key = str(device)
         cache = self.__dict__.setdefault("_starts", {})
         if key not in cache:
-            cache[key] = tuple(t.to(device, torch.int32).contiguous() for t in
-                               (self.columns[:, 0], self.plane_rows.view(-1, self.size)[:, 0], self.param_rows))
+            cache[key] = tuple(
+                t.to(device, torch.int32).contiguous()
+                for t in (self.columns[:, 0], self.plane_rows.view(-1, self.size)[:, 0], self.param_rows)
+            )
         return cache[key]
 
 
@@ -90,9 +106,14 @@ class PlanLayout:
             offs = torch.arange(size, dtype=torch.int64)
             rows0 = torch.tensor([plane_row_of[g] for g in gis], dtype=torch.int64)
             buckets.append(
-                Bucket(t, size, starts[:, None] + offs, (rows0[:, None] + offs).reshape(-1),
-                       torch.tensor([param_row_of[g] for g in gis], dtype=torch.int64),
-                       cl if bool((cl != 1.0).any()) else None)
+                Bucket(
+                    t,
+                    size,
+                    starts[:, None] + offs,
+                    (rows0[:, None] + offs).reshape(-1),
+                    torch.tensor([param_row_of[g] for g in gis], dtype=torch.int64),
+                    cl if bool((cl != 1.0).any()) else None,
+                )
             )
         return cls(plan, plan.kept_components, len(kept), prows, {t: n for t, n in plane_sizes.items() if n}, buckets)
 
@@ -101,8 +122,9 @@ class PlanLayout:
         sizes = {f"{prefix}.params": self.param_rows * tokens * 2}
         for t in CODED_TYPES:
             if t in self.plane_sizes:
-                sizes[f"{prefix}.{TYPE_NAMES[t]}"] = self.plane_sizes[t] * packed_plane_bytes(tokens, TYPE_BITS[t],
-                                                                                                packing)
+                sizes[f"{prefix}.{TYPE_NAMES[t]}"] = self.plane_sizes[t] * packed_plane_bytes(
+                    tokens, TYPE_BITS[t], packing
+                )
         return sizes
 
 
@@ -113,19 +135,23 @@ class Quantizer:
         self.device = device
         self.fused = fused
 
-    def encode(self, prefix: str, coeffs: torch.Tensor, pl: PlanLayout, packing: str,
-               clock: Clock) -> list[tuple[str, Any]]:
+    def encode(
+        self, prefix: str, coeffs: torch.Tensor, pl: PlanLayout, packing: str, clock: Clock
+    ) -> list[tuple[str, Any]]:
         """The group's sections: device tensors (fused path: the GPU entropy coder or a copy takes them to the
         host) or little-endian host bytes."""
         n, dev = coeffs.shape[0], coeffs.device
         if self.fused:
             with clock("quantize"):
                 params = torch.empty((pl.param_rows, n), dtype=torch.float16, device=dev)
-                planes = {t: torch.empty((c, packed_plane_bytes(n, TYPE_BITS[t], packing)), dtype=torch.uint8,
-                                         device=dev) for t, c in pl.plane_sizes.items()}
+                planes = {
+                    t: torch.empty((c, packed_plane_bytes(n, TYPE_BITS[t], packing)), dtype=torch.uint8, device=dev)
+                    for t, c in pl.plane_sizes.items()
+                }
                 for b in pl.buckets:
-                    kernels.quantize_pack(coeffs, *b.starts(dev), b.qtype, b.size, params, planes[b.qtype], packing,
-                                          b.device_clips(dev))
+                    kernels.quantize_pack(
+                        coeffs, *b.starts(dev), b.qtype, b.size, params, planes[b.qtype], packing, b.device_clips(dev)
+                    )
             out: list[tuple[str, Any]] = [(f"{prefix}.params", params.view(torch.uint8).reshape(-1))]
             out.extend((f"{prefix}.{TYPE_NAMES[t]}", planes[t].reshape(-1)) for t in CODED_TYPES if t in planes)
             return out
@@ -149,21 +175,37 @@ class Quantizer:
                     out.append((f"{prefix}.{TYPE_NAMES[t]}", le_bytes(pack(planes[t].cpu(), TYPE_BITS[t], packing))))
         return out
 
-    def decode(self, prefix: str, secs: dict[str, Any], pl: PlanLayout, n: int, packing: str, clock: Clock,
-               dtype: torch.dtype = torch.float32, columns: int | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        prefix: str,
+        secs: dict[str, Any],
+        pl: PlanLayout,
+        n: int,
+        packing: str,
+        clock: Clock,
+        dtype: torch.dtype = torch.float32,
+        columns: int | None = None,
+    ) -> torch.Tensor:
         """The group's coefficients ``[n, columns]`` (``columns``: at least the plan's components; the extra ones
         stay zero) from its sections; ``dtype``: of the fused path's coefficients (the reference's are float32)."""
         if self.fused:
             with clock("unpack"):
                 params = section_tensor(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n), self.device)
-                planes = {t: section_tensor(secs[f"{prefix}.{TYPE_NAMES[t]}"], torch.uint8,
-                                            (c, packed_plane_bytes(n, TYPE_BITS[t], packing)), self.device)
-                          for t, c in pl.plane_sizes.items()}
+                planes = {
+                    t: section_tensor(
+                        secs[f"{prefix}.{TYPE_NAMES[t]}"],
+                        torch.uint8,
+                        (c, packed_plane_bytes(n, TYPE_BITS[t], packing)),
+                        self.device,
+                    )
+                    for t, c in pl.plane_sizes.items()
+                }
             with clock("dequantize"):
                 coeffs = torch.zeros((n, columns or pl.components), dtype=dtype, device=self.device)
                 for b in pl.buckets:
-                    kernels.unpack_dequantize(coeffs, *b.starts(self.device), b.qtype, b.size, params,
-                                              planes[b.qtype], packing)
+                    kernels.unpack_dequantize(
+                        coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing
+                    )
             return coeffs
         with clock("unpack"):
             params = from_le(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n)).to(self.device)

@@ -12,8 +12,8 @@ Precisions (on CUDA with the fused kernels; the CPU path always computes in fp32
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -118,8 +118,9 @@ class PCATransform:
         with _no_tf32():
             return (x.float() - mean) @ basis.T
 
-    def reconstruct(self, kind: str, g: int, coeffs: torch.Tensor, k: int,
-                    out: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    def reconstruct(
+        self, kind: str, g: int, coeffs: torch.Tensor, k: int, out: list[torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         """``coeffs @ basis + µ`` of group ``g``'s first ``k`` components, in :attr:`out_dtype`. ``out``:
         ``[rows, features]`` tensors of :attr:`out_dtype` that take consecutive blocks of the rows (then None is
         returned)."""
@@ -128,14 +129,16 @@ class PCATransform:
             return _reconstruct_fp8(coeffs, mean, self.fp8_basis(kind, g, k, True), out)
         return self._addmm(coeffs, mean, basis, out)
 
-    def reconstruct_columns(self, kind: str, g: int, coeffs: torch.Tensor, k: int,
-                            columns: torch.Tensor) -> torch.Tensor:
+    def reconstruct_columns(
+        self, kind: str, g: int, coeffs: torch.Tensor, k: int, columns: torch.Tensor
+    ) -> torch.Tensor:
         """:meth:`reconstruct` of the feature ``columns`` of group ``g`` alone (one layer's, say)."""
         mean, basis = self.basis(kind, g, k, decode=True)
         return self._addmm(coeffs, mean[columns], basis[:, columns], None)  # type: ignore[return-value]
 
-    def _addmm(self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor,
-               out: list[torch.Tensor] | None) -> torch.Tensor | None:
+    def _addmm(
+        self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, out: list[torch.Tensor] | None
+    ) -> torch.Tensor | None:
         if self.bf16:
             mean, coeffs = mean.to(torch.bfloat16), coeffs.to(torch.bfloat16)
         if out is None:
@@ -149,8 +152,9 @@ class PCATransform:
         return None
 
 
-def _reconstruct_fp8(coeffs: torch.Tensor, mean: torch.Tensor, fp8: Basis,
-                     out: list[torch.Tensor] | None) -> torch.Tensor | None:
+def _reconstruct_fp8(
+    coeffs: torch.Tensor, mean: torch.Tensor, fp8: Basis, out: list[torch.Tensor] | None
+) -> torch.Tensor | None:
     k16 = fp8[0].shape[0]
     c = coeffs if coeffs.shape[1] == k16 else torch.nn.functional.pad(coeffs, (0, k16 - coeffs.shape[1]))
     a, sa = _fp8_rows(c)

@@ -11,9 +11,11 @@ from typing import Any
 from .config import EvalConfig
 
 #: imported on first use (they need torch and transformers)
-_LAZY = {**dict.fromkeys(("FP8", "KIVI", "KVTC", "Eviction", "Method", "Peer"), "methods"),
-         **dict.fromkeys(("conversation", "passkey_prompts", "retrieval", "storage_roundtrip"), "protocols"),
-         "run": "suite"}
+_LAZY = {
+    **dict.fromkeys(("FP8", "KIVI", "KVTC", "Eviction", "Method", "Peer"), "methods"),
+    **dict.fromkeys(("conversation", "passkey_prompts", "retrieval", "storage_roundtrip"), "protocols"),
+    "run": "suite",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -23,5 +25,18 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["EvalConfig", "Eviction", "FP8", "KIVI", "KVTC", "Method", "Peer", "conversation", "passkey_prompts",
-           "retrieval", "run", "storage_roundtrip"]
+
+__all__ = [
+    "EvalConfig",
+    "Eviction",
+    "FP8",
+    "KIVI",
+    "KVTC",
+    "Method",
+    "Peer",
+    "conversation",
+    "passkey_prompts",
+    "retrieval",
+    "run",
+    "storage_roundtrip",
+]

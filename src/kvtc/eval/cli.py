@@ -40,8 +40,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="default", help="HF model dir or hub id (default: embedded SmolLM2)")
     p.add_argument("--calibration", help="calibration file (default: the embedded default's, built once)")
-    p.add_argument("--texts", nargs="+", default=["wikipedia"],
-                   help="evaluation texts: wikipedia, sotu-2000on, or local text files (default: wikipedia)")
+    p.add_argument(
+        "--texts",
+        nargs="+",
+        default=["wikipedia"],
+        help="evaluation texts: wikipedia, sotu-2000on, or local text files (default: wikipedia)",
+    )
     p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
     p.add_argument("--continuation", type=int, default=DEFAULT_CONTINUATION)
@@ -53,9 +57,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-retrieval", action="store_true")
     p.add_argument("--retrieval-prompts", type=int, default=DEFAULT_RETRIEVAL_PROMPTS)
     p.add_argument("--retrieval-lengths", type=_ints, default=None)
-    p.add_argument("--retrieval-haystack", choices=("filler", "text"), default="filler",
-                   help="filler: the classic pass-key test (repeated filler sentences, default); "
-                        "text: the needle hidden in the evaluation text")
+    p.add_argument(
+        "--retrieval-haystack",
+        choices=("filler", "text"),
+        default="filler",
+        help="filler: the classic pass-key test (repeated filler sentences, default); "
+        "text: the needle hidden in the evaluation text",
+    )
     p.add_argument("--quick", action="store_true", help="one window, kvtc 16x and KIVI 2-bit, round trip only")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=Path("kvtc-eval"), help="output folder (default: ./kvtc-eval)")
@@ -66,17 +74,29 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     kw: dict[str, Any] = dict(
-        model=args.model, calibration=args.calibration, texts=tuple(args.texts), windows=args.windows,
-        context=args.context, continuation=args.continuation, ratios=args.ratios, device=args.device,
+        model=args.model,
+        calibration=args.calibration,
+        texts=tuple(args.texts),
+        windows=args.windows,
+        context=args.context,
+        continuation=args.continuation,
+        ratios=args.ratios,
+        device=args.device,
         progress=not args.no_progress,
     )
     if args.quick:
         if args.windows == DEFAULT_WINDOWS:
             kw["windows"] = 1
         return EvalConfig.quick_config(**kw)
-    kw.update(baselines=not args.no_baselines, ablations=not args.no_ablations, ablation_tokens=args.ablation_tokens,
-              conversation=not args.no_conversation, retrieval=not args.no_retrieval,
-              retrieval_prompts=args.retrieval_prompts, retrieval_haystack=args.retrieval_haystack)
+    kw.update(
+        baselines=not args.no_baselines,
+        ablations=not args.no_ablations,
+        ablation_tokens=args.ablation_tokens,
+        conversation=not args.no_conversation,
+        retrieval=not args.no_retrieval,
+        retrieval_prompts=args.retrieval_prompts,
+        retrieval_haystack=args.retrieval_haystack,
+    )
     if args.retrieval_lengths:
         kw["retrieval_lengths"] = args.retrieval_lengths
     return EvalConfig(**kw)

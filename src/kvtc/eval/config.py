@@ -59,9 +59,16 @@ class EvalConfig:
 
     @classmethod
     def quick_config(cls, **kw: Any) -> EvalConfig:
-        base = dict(windows=1, ratios=(16,), baselines=True, peers=(), eviction_ratios=(), ablations=False,
-                    conversation=False, retrieval=False, quick=True)
+        base = dict(
+            windows=1,
+            ratios=(16,),
+            baselines=True,
+            peers=(),
+            eviction_ratios=(),
+            ablations=False,
+            conversation=False,
+            retrieval=False,
+            quick=True,
+        )
         base.update(kw)
         return cls(**base)
-
-

@@ -66,8 +66,9 @@ def greedy_decode(
     with torch.inference_mode():
         for i in range(steps):
             fed += step.shape[1]
-            logits = model(input_ids=step, past_key_values=cache, attention_mask=attention_mask(keep, fed),
-                           use_cache=True).logits[:, -1]
+            logits = model(
+                input_ids=step, past_key_values=cache, attention_mask=attention_mask(keep, fed), use_cache=True
+            ).logits[:, -1]
             step = logits.argmax(-1, keepdim=True)
             out.append(step)
             if i == 0:

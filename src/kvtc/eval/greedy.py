@@ -25,7 +25,9 @@ GREEDY_SIZES: tuple[int, ...] = (16, 64, 256)
 
 
 def greedy_allocate(
-    coeffs: torch.Tensor, budget_bits: float, sizes: Sequence[int] = GREEDY_SIZES,
+    coeffs: torch.Tensor,
+    budget_bits: float,
+    sizes: Sequence[int] = GREEDY_SIZES,
     types: Sequence[int] = DEFAULT_TYPES,
 ) -> Plan:
     """Greedy plan for ``coeffs [rows, k]`` (PCA coefficients) within ``budget_bits`` per token."""
@@ -63,8 +65,13 @@ def greedy_allocate(
                 segments[-1][2] += 1
             else:
                 segments.append([size, qtype, 1])
-        plan = Plan(tuple(tuple(s) for s in segments), error, int(coeffs.shape[0]), exact=False,  # type: ignore[misc]
-                    meta={"allocator": "greedy", "size": g, "budget_bits": budget_bits})
+        plan = Plan(
+            tuple(tuple(s) for s in segments),
+            error,
+            int(coeffs.shape[0]),
+            exact=False,  # type: ignore[misc]
+            meta={"allocator": "greedy", "size": g, "budget_bits": budget_bits},
+        )
         if best is None or plan.predicted_error < best.predicted_error:
             best = plan
     if best is None:
@@ -72,8 +79,9 @@ def greedy_allocate(
     return best
 
 
-def _push_upgrade(heap: list[tuple[float, int, int]], levels: Sequence[torch.Tensor], costs: Sequence[int],
-                  level: list[int], i: int) -> None:
+def _push_upgrade(
+    heap: list[tuple[float, int, int]], levels: Sequence[torch.Tensor], costs: Sequence[int], level: list[int], i: int
+) -> None:
     """Queue group ``i``'s next upgrade that lowers its error (skipping a level is allowed when it does not), keyed
     by the error reduction per extra bit."""
     lv = level[i]
@@ -85,27 +93,44 @@ def _push_upgrade(heap: list[tuple[float, int, int]], levels: Sequence[torch.Ten
             return
 
 
-def greedy_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                       ratios: Sequence[float], max_rows: int = 1024, seed: int = 0) -> Calibration:
+def greedy_calibration(
+    calibration: Calibration,
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ratios: Sequence[float],
+    max_rows: int = 1024,
+    seed: int = 0,
+) -> Calibration:
     """``calibration``'s bases with greedy plans for ``ratios``, measured on up to ``max_rows`` of ``rows``
     (``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded). Each kind gets the bits the
     calibration's DP plan spends on it, so the ablation compares allocators at the same K/V split."""
     return replan(calibration, rows, ratios, greedy_allocate, "greedy", max_rows, seed)
 
 
-def paper_types_calibration(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                            ratios: Sequence[float], max_rows: int = 1024, seed: int = 0) -> Calibration:
+def paper_types_calibration(
+    calibration: Calibration,
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ratios: Sequence[float],
+    max_rows: int = 1024,
+    seed: int = 0,
+) -> Calibration:
     """``calibration``'s bases with DP plans restricted to the paper's quantization types (int2, int4, fp8 with
     min/max parameters), at the same bits per kind: the ablation of our int3 and scale-only types."""
+
     def dp_paper(coeffs: torch.Tensor, budget: float) -> Plan:
         return allocate(coeffs, budget, types=PAPER_TYPES)
 
     return replan(calibration, rows, ratios, dp_paper, "dp-paper-types", max_rows, seed)
 
 
-def replan(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Tensor]], ratios: Sequence[float],
-           allocator: Callable[[torch.Tensor, float], Plan], name: str, max_rows: int = 1024,
-           seed: int = 0) -> Calibration:
+def replan(
+    calibration: Calibration,
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ratios: Sequence[float],
+    allocator: Callable[[torch.Tensor, float], Plan],
+    name: str,
+    max_rows: int = 1024,
+    seed: int = 0,
+) -> Calibration:
     """``calibration``'s bases with plans from ``allocator(coeffs, budget_bits)`` for ``ratios``, each kind given
     the bits the calibration's own plan spends on it (or the equal share where it has none)."""
     keys = torch.cat([k for k, _ in rows])
@@ -125,6 +150,13 @@ def replan(calibration: Calibration, rows: Sequence[tuple[torch.Tensor, torch.Te
                 own = calibration.plans.get(ratio_key(r), {}).get(kind)
                 budget = own[g].bits_per_token if own else budget_for_ratio(cols.numel(), r)
                 plans[ratio_key(r)][kind].append(allocator(coeffs, budget))
-    return Calibration(calibration.layout, calibration.grouping, calibration.pcas, plans, calibration.rope,
-                       calibration.model_id, dict(calibration.corpus, allocator=name),
-                       dict(calibration.stats))
+    return Calibration(
+        calibration.layout,
+        calibration.grouping,
+        calibration.pcas,
+        plans,
+        calibration.rope,
+        calibration.model_id,
+        dict(calibration.corpus, allocator=name),
+        dict(calibration.stats),
+    )

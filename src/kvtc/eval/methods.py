@@ -109,9 +109,17 @@ class KVTC(Method):
 
     post_rope = False
 
-    def __init__(self, calibration: Calibration, ratio: float, name: str = "kvtc", label: str | None = None,
-                 *, dtype: str | None = None, model_id: str | None = None,
-                 store: Callable[[bytes], bytes] | None = None):
+    def __init__(
+        self,
+        calibration: Calibration,
+        ratio: float,
+        name: str = "kvtc",
+        label: str | None = None,
+        *,
+        dtype: str | None = None,
+        model_id: str | None = None,
+        store: Callable[[bytes], bytes] | None = None,
+    ):
         self.calibration, self.ratio = calibration, ratio
         self.name = name
         self.label = label or f"{name} {ratio:g}x"
@@ -123,8 +131,13 @@ class KVTC(Method):
         model_id = kv.model_id if self.model_id is None else self.model_id
         if dtype == kv.layout.dtype and model_id == kv.model_id:
             return kv
-        return KVSlice(dataclasses.replace(kv.layout, dtype=dtype), kv.keys.to(DTYPES[dtype]),
-                       kv.values.to(DTYPES[dtype]), kv.positions, model_id)
+        return KVSlice(
+            dataclasses.replace(kv.layout, dtype=dtype),
+            kv.keys.to(DTYPES[dtype]),
+            kv.values.to(DTYPES[dtype]),
+            kv.positions,
+            model_id,
+        )
 
     def compress(self, kv: KVSlice, start: int, stop: int, rope: RopeSpec) -> Result:
         codec = Codec(self.calibration, self.ratio, sinks=start, window=kv.num_tokens - stop)
@@ -140,11 +153,17 @@ class KVTC(Method):
         # inspect measures ratios against the stored dtype; the reference here is 16-bit
         esize = stored.keys.element_size()
         coded = facts["bytes_per_middle_token"] * n
-        raw = reference_bytes(kv, facts["middle_tokens"]) * esize / REFERENCE_BYTES / facts["codec_ratio_before_entropy"]
+        raw = (
+            reference_bytes(kv, facts["middle_tokens"]) * esize / REFERENCE_BYTES / facts["codec_ratio_before_entropy"]
+        )
         keys = out.keys.to(kv.keys)
         values = out.values.to(kv.values)
-        return Result(KVSlice(kv.layout, keys, values, kv.positions, kv.model_id), coded, bytes_raw=raw,
-                      info={"blob_bytes": facts["bytes"], "header_bytes": facts["header_bytes"]})
+        return Result(
+            KVSlice(kv.layout, keys, values, kv.positions, kv.model_id),
+            coded,
+            bytes_raw=raw,
+            info={"blob_bytes": facts["bytes"], "header_bytes": facts["header_bytes"]},
+        )
 
 
 class FP8(Method):

@@ -99,9 +99,12 @@ class Tally:
                 out["k_rel_error"] = (self.k_err / self.k_ref) ** 0.5
                 out["v_rel_error"] = (self.v_err / self.v_ref) ** 0.5
         if self.prompts:
-            out.update(prompts=self.prompts, accuracy=self.correct / self.prompts,
-                       accuracy_exact=self.correct_exact / self.prompts,
-                       lost_vs_exact=self.correct_exact - self.correct)
+            out.update(
+                prompts=self.prompts,
+                accuracy=self.correct / self.prompts,
+                accuracy_exact=self.correct_exact / self.prompts,
+                lost_vs_exact=self.correct_exact - self.correct,
+            )
         out.update(self.extra)
         return out
 
@@ -229,8 +232,10 @@ def _compress_span(model: Any, cache: DynamicCache, method: Method, a: int, b: i
 
 # ----------------------------------------------------------------------------------------- retrieval
 
-PASSKEY_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-                 "Find it and memorize it. I will quiz you about it.\n\n")
+PASSKEY_INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n\n"
+)
 PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
 #: the classic pass-key haystack (Mohtashami & Jaggi, 2023): a repeated filler the needle stands out from
@@ -318,15 +323,21 @@ def retrieval(
         cache = _prefill(model, ctx)
         kv = extract_slice(cache, model)
         ok_exact = _answer_ok(tokenizer, _answer(model, cache, last, answer_tokens, None), p.answer)
-        rec: dict[str, Any] = {"length": p.length, "depth": p.depth, "needle_position": p.needle_position,
-                               "in_compressed_span": sinks <= p.needle_position < n - window, "exact": ok_exact}
+        rec: dict[str, Any] = {
+            "length": p.length,
+            "depth": p.depth,
+            "needle_position": p.needle_position,
+            "in_compressed_span": sinks <= p.needle_position < n - window,
+            "exact": ok_exact,
+        }
         tallies["exact"].prompts += 1
         tallies["exact"].correct += ok_exact
         tallies["exact"].correct_exact += ok_exact
         for m in methods:
             res = m.compress(kv, sinks, n - window, rope)
-            ok = _answer_ok(tokenizer, _answer(model, rebuild_cache(res.kv, model), last, answer_tokens, res.keep),
-                            p.answer)
+            ok = _answer_ok(
+                tokenizer, _answer(model, rebuild_cache(res.kv, model), last, answer_tokens, res.keep), p.answer
+            )
             t = tallies[m.label]
             t.prompts += 1
             t.correct += ok

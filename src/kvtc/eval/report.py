@@ -70,18 +70,28 @@ def markdown(result: dict[str, Any]) -> str:
             "*greedy allocator* keeps kvtc's global basis and replaces the DP by a greedy marginal-gain "
             f"allocation measured on 1,024 of those rows; *without entropy coding* is the same codec with the "
             "bit-packed planes stored as they are"
-            + ("; *without sensitivity weighting* is the default recipe (same corpus and tokens) fitting the "
-               "paper's plain squared error instead of the Fisher-weighted one" if a.get("unweighted") else "")
-            + ("; *paper's types* keeps kvtc's basis and each kind's bits and re-runs the DP with the paper's "
-               "quantization types only (int2, int4, fp8 with min/max parameters; no int3, no scale-only types), "
-               "on the same 1,024 rows." if "paper_types_fit_s" in a or a.get("cached") else ".")
+            + (
+                "; *without sensitivity weighting* is the default recipe (same corpus and tokens) fitting the "
+                "paper's plain squared error instead of the Fisher-weighted one"
+                if a.get("unweighted")
+                else ""
+            )
+            + (
+                "; *paper's types* keeps kvtc's basis and each kind's bits and re-runs the DP with the paper's "
+                "quantization types only (int2, int4, fp8 with min/max parameters; no int3, no scale-only types), "
+                "on the same 1,024 rows."
+                if "paper_types_fit_s" in a or a.get("cached")
+                else "."
+            )
         )
         gains = result.get("acceptance", {}).get("ablations", {})
         if gains:
             lines.append("")
             weighted = any(g.get("unweighted_delta_ppl_pct") is not None for g in gains.values())
             paper = any(g.get("paper_types_delta_ppl_pct") is not None for g in gains.values())
-            head = "| target | kvtc (global PCA, DP, entropy) | per-layer PCA | greedy allocator | entropy-coding gain |"
+            head = (
+                "| target | kvtc (global PCA, DP, entropy) | per-layer PCA | greedy allocator | entropy-coding gain |"
+            )
             if weighted:
                 head += " without sensitivity weighting (KL: weighted → unweighted) |"
             if paper:
@@ -89,46 +99,64 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(head)
             lines.append("|---|---|---|---|---|" + ("---|" if weighted else "") + ("---|" if paper else ""))
             for t, g in gains.items():
-                line = (f"| {t} | {_pct(g['global_delta_ppl_pct'])} | {_pct(g['per_layer_delta_ppl_pct'])} | "
-                        f"{_pct(g['greedy_delta_ppl_pct'])} | ×{g['entropy_gain']:.3f} bytes saved |")
+                line = (
+                    f"| {t} | {_pct(g['global_delta_ppl_pct'])} | {_pct(g['per_layer_delta_ppl_pct'])} | "
+                    f"{_pct(g['greedy_delta_ppl_pct'])} | ×{g['entropy_gain']:.3f} bytes saved |"
+                )
                 if weighted:
                     uw = g.get("unweighted_delta_ppl_pct")
-                    line += (f" {_pct(uw)} (KL {_f(g.get('global_kl'))} → {_f(g.get('unweighted_kl'))}) |"
-                             if uw is not None else " |")
+                    line += (
+                        f" {_pct(uw)} (KL {_f(g.get('global_kl'))} → {_f(g.get('unweighted_kl'))}) |"
+                        if uw is not None
+                        else " |"
+                    )
                 if paper:
                     pt = g.get("paper_types_delta_ppl_pct")
-                    line += (f" {_pct(pt)} ({g['paper_types_ratio']:.2f}×; KL {_f(g.get('global_kl'))} → "
-                             f"{_f(g.get('paper_types_kl'))}) |" if pt is not None else " |")
+                    line += (
+                        f" {_pct(pt)} ({g['paper_types_ratio']:.2f}×; KL {_f(g.get('global_kl'))} → "
+                        f"{_f(g.get('paper_types_kl'))}) |"
+                        if pt is not None
+                        else " |"
+                    )
                 lines.append(line)
     if result.get("conversation"):
         lines.append("")
-        lines.append(f"Simulated conversation ({cfg['conversation_tokens']:,} tokens teacher-forced, compressed "
-                     f"every 16 tokens, raw tail 112–128 tokens):")
+        lines.append(
+            f"Simulated conversation ({cfg['conversation_tokens']:,} tokens teacher-forced, compressed "
+            f"every 16 tokens, raw tail 112–128 tokens):"
+        )
         lines.append("")
         lines.append("| method | ratio | Δppl | KL | top-1 agree |")
         lines.append("|---|---|---|---|---|")
         for r in result["conversation"]:
             if r["curve"] == "exact":
                 continue
-            lines.append(f"| {r['method']} | {r['ratio']:.2f}× | {_pct(r['delta_ppl_pct'])} | {_f(r['kl'])} | "
-                         f"{_f(r['top1_agreement'])} |")
+            lines.append(
+                f"| {r['method']} | {r['ratio']:.2f}× | {_pct(r['delta_ppl_pct'])} | {_f(r['kl'])} | "
+                f"{_f(r['top1_agreement'])} |"
+            )
     if result.get("retrieval"):
         recs = result.get("retrieval_prompts", [])
         lengths = sorted({p["length"] for p in recs})
         lines.append("")
-        lines.append(f"Retrieval: {len(recs)} pass-key prompts of {', '.join(map(str, lengths))} tokens "
-                     f"(needle in a haystack of "
-                     f"{'evaluation text' if cfg.get('retrieval_haystack') == 'text' else 'the classic repeated filler'}"
-                     f" at depths "
-                     f"{', '.join(_f(d) for d in cfg['retrieval_depths'])}; greedy answer, exact match).")
+        lines.append(
+            f"Retrieval: {len(recs)} pass-key prompts of {', '.join(map(str, lengths))} tokens "
+            f"(needle in a haystack of "
+            f"{'evaluation text' if cfg.get('retrieval_haystack') == 'text' else 'the classic repeated filler'}"
+            f" at depths "
+            f"{', '.join(_f(d) for d in cfg['retrieval_depths'])}; greedy answer, exact match)."
+        )
         lines.append("")
         lines.append("| cache | ratio | accuracy | answers lost vs exact |")
         lines.append("|---|---|---|---|")
         for r in result["retrieval"]:
             ratio = f"{r['ratio']:.2f}×" if "ratio" in r else "1"
             lines.append(f"| {r['method']} | {ratio} | {r['accuracy']:.3f} | {r['lost_vs_exact']} |")
-    missing = [name for key, name in (("conversation", "the simulated conversation"), ("retrieval", "pass-key retrieval"))
-               if not result.get(key)]
+    missing = [
+        name
+        for key, name in (("conversation", "the simulated conversation"), ("retrieval", "pass-key retrieval"))
+        if not result.get(key)
+    ]
     if missing:
         lines.append("")
         lines.append(f"Not part of this result: {' and '.join(missing)}.")
@@ -139,9 +167,12 @@ def markdown(result: dict[str, Any]) -> str:
     t = result.get("timings_s", {})
     m = result.get("machine", {})
     lines.append("")
-    lines.append(f"Run time {t.get('total', 0) / 60:.1f} min on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, "
-                 f"{m.get('torch_threads', '?')} torch threads{', ' + m['gpu'] if m.get('gpu') else ''}); stages (s): "
-                 + ", ".join(f"{k} {v:.0f}" for k, v in t.items() if k != "total") + ".")
+    lines.append(
+        f"Run time {t.get('total', 0) / 60:.1f} min on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, "
+        f"{m.get('torch_threads', '?')} torch threads{', ' + m['gpu'] if m.get('gpu') else ''}); stages (s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in t.items() if k != "total")
+        + "."
+    )
     return "\n".join(lines)
 
 
@@ -173,8 +204,14 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
             pts.sort()
             style = "-o" if name == "kvtc" else "--s"
             c = colour.setdefault(name, palette[len(colour) % len(palette)])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, color=c,
-                    linewidth=2.5 if name == "kvtc" else 1.2)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                style,
+                label=name,
+                color=c,
+                linewidth=2.5 if name == "kvtc" else 1.2,
+            )
         if key == "accuracy" and exact is not None:
             ax.axhline(exact, color="k", linestyle=":", label="exact cache")
         if key == "delta_ppl_pct":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,6 @@ from ..calibration.load import DEFAULT_CALIBRATION
 from ..calibration.recipe import RECIPES, UNWEIGHTED_RECIPE
 from ..layout import PCAGrouping
 from ..progress import StageTimer, bar
-from .greedy import greedy_calibration, paper_types_calibration
-from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer, peer_available
 from .config import (  # noqa: F401  (re-exported: the run's defaults live with its configuration)
     DEFAULT_ABLATION_TOKENS,
     DEFAULT_CONTEXT,
@@ -37,7 +34,10 @@ from .config import (  # noqa: F401  (re-exported: the run's defaults live with 
     PEER_BACKENDS,
     EvalConfig,
 )
+from .greedy import greedy_calibration, paper_types_calibration
+from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer, peer_available
 from .protocols import HAYSTACKS, PASSKEY_FILLER, Tally, conversation, passkey_prompts, retrieval, storage_roundtrip
+
 
 def _say(cfg: EvalConfig, msg: str) -> None:
     if cfg.progress:
@@ -58,7 +58,9 @@ def _load_calibration(cfg: EvalConfig) -> tuple[Calibration, str]:
     return load_calibration(cfg.calibration or DEFAULT_CALIBRATION, model=cfg.model, progress=cfg.progress), name
 
 
-def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibration) -> tuple[dict[str, Calibration], dict[str, Any]]:
+def _ablation_calibrations(
+    cfg: EvalConfig, model: Any, tok: Any, cal: Calibration
+) -> tuple[dict[str, Calibration], dict[str, Any]]:
     """Per-layer-PCA, greedy-allocator and paper's-types calibrations, fitted on the same freshly collected rows
     (cached)."""
     from ..integrations.hf import describe_model
@@ -67,9 +69,11 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
     ratios = [r for r in cfg.ablation_ratios]
     tag = f"{cal.fingerprint[:12]}-{cfg.ablation_tokens}-{'-'.join(format(r, 'g') for r in ratios)}"
     root = assets.cache_dir() / "calibrations"
-    paths = {"per-layer": root / f"eval-ablation-perlayer-{tag}.safetensors",
-             "greedy": root / f"eval-ablation-greedy-{tag}.safetensors",
-             "paper-types": root / f"eval-ablation-papertypes-{tag}.safetensors"}
+    paths = {
+        "per-layer": root / f"eval-ablation-perlayer-{tag}.safetensors",
+        "greedy": root / f"eval-ablation-greedy-{tag}.safetensors",
+        "paper-types": root / f"eval-ablation-papertypes-{tag}.safetensors",
+    }
     info: dict[str, Any] = {"tokens": cfg.ablation_tokens, "corpus": "sotu-pre2000", "cached": False}
     if all(p.is_file() for p in paths.values()):
         info["cached"] = True
@@ -84,9 +88,15 @@ def _ablation_calibrations(cfg: EvalConfig, model: Any, tok: Any, cal: Calibrati
     # the same sensitivity weighting as the global calibration: this ablation changes the grouping only
     scales = {k: cal.feature_scale(k) for k in ("keys", "values")} if cal.weighted else None
     with timer("per_layer_fit_s"):
-        per_layer = fit_calibration(layout, rows, Recipe(ratios=ratios, grouping=PCAGrouping("layers", 1)),
-                                    rope=rope.to_dict(), model_id=cal.model_id, feature_scale=scales,
-                                    corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens})
+        per_layer = fit_calibration(
+            layout,
+            rows,
+            Recipe(ratios=ratios, grouping=PCAGrouping("layers", 1)),
+            rope=rope.to_dict(),
+            model_id=cal.model_id,
+            feature_scale=scales,
+            corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens},
+        )
     _say(cfg, "greedy bit plans on the default basis")
     with timer("greedy_fit_s"):
         greedy = greedy_calibration(cal, rows, ratios)
@@ -116,8 +126,13 @@ def _peers(cfg: EvalConfig) -> tuple[list[Method], dict[str, str]]:
 
 
 def _machine() -> dict[str, Any]:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "kvtc": __version__,
-            "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "kvtc": __version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+    }
     try:
         import os
 
@@ -140,7 +155,9 @@ def _machine() -> dict[str, Any]:
     return info
 
 
-def _rows(tallies: dict[str, Tally], methods: Sequence[Method], extra: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def _rows(
+    tallies: dict[str, Tally], methods: Sequence[Method], extra: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     by_label = {m.label: m for m in methods}
     rows = []
     for label, t in tallies.items():
@@ -156,16 +173,23 @@ def _rows(tallies: dict[str, Tally], methods: Sequence[Method], extra: dict[str,
 def run(cfg: EvalConfig) -> dict[str, Any]:
     timer = StageTimer()
     torch.manual_seed(cfg.seed)
-    out: dict[str, Any] = {"config": {k: (list(v) if isinstance(v, tuple) else v)
-                                      for k, v in dataclasses.asdict(cfg).items()},
-                           "machine": _machine(), "skipped": {}}
+    out: dict[str, Any] = {
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "machine": _machine(),
+        "skipped": {},
+    }
 
     with timer("load"):
         model, tok = assets.load_model(cfg.model, dtype=torch.float32, device=cfg.device)
         cal, cal_name = _load_calibration(cfg)
     out["model"] = cfg.model if cfg.model != "default" else assets.DEFAULT_MODEL
-    out["calibration"] = {"name": cal_name, "fingerprint": cal.fingerprint, "corpus": cal.corpus,
-                          "ratios": cal.ratios, "samples": cal.stats.get("samples")}
+    out["calibration"] = {
+        "name": cal_name,
+        "fingerprint": cal.fingerprint,
+        "corpus": cal.corpus,
+        "ratios": cal.ratios,
+        "samples": cal.stats.get("samples"),
+    }
     ratios = [float(r) for r in (cfg.ratios or cal.ratios)]
     missing = [r for r in ratios if r not in cal.ratios]
     if missing:
@@ -185,13 +209,24 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
         with timer("ablation_calibration"):
             abl, info = _ablation_calibrations(cfg, model, tok, cal)
         out["ablation_calibration"] = info
-        methods += [KVTC(abl["per-layer"], r, name="kvtc-per-layer-pca",
-                         label=f"kvtc per-layer PCA {r:g}x") for r in cfg.ablation_ratios]
-        methods += [KVTC(abl["greedy"], r, name="kvtc-greedy", label=f"kvtc greedy allocator {r:g}x")
-                    for r in cfg.ablation_ratios]
+        methods += [
+            KVTC(abl["per-layer"], r, name="kvtc-per-layer-pca", label=f"kvtc per-layer PCA {r:g}x")
+            for r in cfg.ablation_ratios
+        ]
+        methods += [
+            KVTC(abl["greedy"], r, name="kvtc-greedy", label=f"kvtc greedy allocator {r:g}x")
+            for r in cfg.ablation_ratios
+        ]
         if cal.extended_types:
-            methods += [KVTC(abl["paper-types"], r, name="kvtc-paper-types",
-                             label=f"kvtc with the paper's quantization types {r:g}x") for r in cfg.ablation_ratios]
+            methods += [
+                KVTC(
+                    abl["paper-types"],
+                    r,
+                    name="kvtc-paper-types",
+                    label=f"kvtc with the paper's quantization types {r:g}x",
+                )
+                for r in cfg.ablation_ratios
+            ]
         if cfg.calibration is None and cal.weighted:
             # the default recipe without sensitivity weighting (the paper's plain squared error), same rows
             from ..integrations.hf_calibrate import default_calibration
@@ -199,8 +234,10 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
             with timer("ablation_calibration"):
                 plain = Calibration.load(default_calibration(RECIPES[UNWEIGHTED_RECIPE], progress=cfg.progress))
             out["ablation_calibration"]["unweighted"] = {"fingerprint": plain.fingerprint, "corpus": plain.corpus}
-            methods += [KVTC(plain, r, name="kvtc-unweighted", label=f"kvtc without sensitivity weighting {r:g}x")
-                        for r in cfg.ablation_ratios]
+            methods += [
+                KVTC(plain, r, name="kvtc-unweighted", label=f"kvtc without sensitivity weighting {r:g}x")
+                for r in cfg.ablation_ratios
+            ]
 
     texts = _texts(cfg.texts)
     out["texts"] = list(cfg.texts)
@@ -216,8 +253,14 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     # entropy-coding ablation: the same symbols stored bit-packed only (same quality, the bytes before entropy)
     for r in list(out["storage_roundtrip"]):
         if r["curve"] == "kvtc" and "ratio_before_entropy" in r:
-            out["storage_roundtrip"].append({**r, "method": f"kvtc without entropy coding {r['target']:g}x",
-                                             "curve": "kvtc-no-entropy", "ratio": r["ratio_before_entropy"]})
+            out["storage_roundtrip"].append(
+                {
+                    **r,
+                    "method": f"kvtc without entropy coding {r['target']:g}x",
+                    "curve": "kvtc-no-entropy",
+                    "ratio": r["ratio_before_entropy"],
+                }
+            )
 
     # 2. simulated conversation
     if cfg.conversation:
@@ -238,7 +281,11 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
                 ret_methods += [KIVI(2)] + [Eviction(r) for r in cfg.retrieval_ratios]
             if cfg.retrieval_haystack not in HAYSTACKS:
                 raise ValueError(f"unknown haystack {cfg.retrieval_haystack!r}; use one of {', '.join(HAYSTACKS)}")
-            hay = texts if cfg.retrieval_haystack == "text" else [PASSKEY_FILLER * (2 + 8 * max(cfg.retrieval_lengths) // 20)]
+            hay = (
+                texts
+                if cfg.retrieval_haystack == "text"
+                else [PASSKEY_FILLER * (2 + 8 * max(cfg.retrieval_lengths) // 20)]
+            )
             prompts = []
             # every length gets about the same number of tokens: shorter lengths get more prompts
             weights = [1.0 / n for n in cfg.retrieval_lengths]
@@ -301,16 +348,23 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
     for target, limit in ((16.0, 1.5), (32.0, 4.0)):
         r = kvtc_at(target)
         if r:
-            checks[f"kvtc_{target:g}x"] = {"ratio": r["ratio"], "delta_ppl_pct": r["delta_ppl_pct"],
-                                            "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= limit}
+            checks[f"kvtc_{target:g}x"] = {
+                "ratio": r["ratio"],
+                "delta_ppl_pct": r["delta_ppl_pct"],
+                "pass": r["ratio"] >= target and r["delta_ppl_pct"] <= limit,
+            }
     kivi4 = rows.get("KIVI 4-bit")
     # kvtc's best-quality point that still stores at least 8x less: the smallest achieved ratio >= 8
     at8 = next((r for r in kv if r["ratio"] >= 8.0), None)
     if kivi4 and at8:
-        checks["kvtc_8x_vs_kivi4"] = {"kivi4_ratio": kivi4["ratio"], "kivi4_delta_ppl_pct": kivi4["delta_ppl_pct"],
-                                      "kvtc_method": at8["method"], "kvtc_ratio": at8["ratio"],
-                                      "kvtc_delta_ppl_pct": at8["delta_ppl_pct"],
-                                      "pass": at8["delta_ppl_pct"] <= kivi4["delta_ppl_pct"]}
+        checks["kvtc_8x_vs_kivi4"] = {
+            "kivi4_ratio": kivi4["ratio"],
+            "kivi4_delta_ppl_pct": kivi4["delta_ppl_pct"],
+            "kvtc_method": at8["method"],
+            "kvtc_ratio": at8["ratio"],
+            "kvtc_delta_ppl_pct": at8["delta_ppl_pct"],
+            "pass": at8["delta_ppl_pct"] <= kivi4["delta_ppl_pct"],
+        }
     baselines: dict[str, list[dict[str, Any]]] = {}
     for r in rows.values():
         if r["curve"] != "exact" and not r["curve"].startswith("kvtc") and r.get("ratio"):
@@ -330,14 +384,22 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
                 compared.append({"baseline": name, "ratio": x, "kvtc_delta_ppl_pct": k, "baseline_delta_ppl_pct": b})
                 if not k < b:
                     failures.append(f"{name} at {x:.2f}x")
-        checks["kvtc_curve_below_baselines"] = {"compared": compared, "not_below": failures,
-                                                "no_common_ratio": outside, "pass": not failures}
+        checks["kvtc_curve_below_baselines"] = {
+            "compared": compared,
+            "not_below": failures,
+            "no_common_ratio": outside,
+            "pass": not failures,
+        }
     ret = {r["method"]: r for r in result.get("retrieval", [])}
     r16 = ret.get("kvtc 16x")
     if r16:
-        checks["retrieval_kvtc_16x"] = {"prompts": r16["prompts"], "lost_vs_exact": r16["lost_vs_exact"],
-                                        "accuracy": r16["accuracy"], "accuracy_exact": r16["accuracy_exact"],
-                                        "pass": r16["prompts"] >= 50 and r16["lost_vs_exact"] <= 1}
+        checks["retrieval_kvtc_16x"] = {
+            "prompts": r16["prompts"],
+            "lost_vs_exact": r16["lost_vs_exact"],
+            "accuracy": r16["accuracy"],
+            "accuracy_exact": r16["accuracy_exact"],
+            "pass": r16["prompts"] >= 50 and r16["lost_vs_exact"] <= 1,
+        }
     gains = {}
     for target in result.get("config", {}).get("ablation_ratios", []) if result.get("ablation_calibration") else []:
         g, p = kvtc_at(float(target)), rows.get(f"kvtc per-layer PCA {target:g}x")
@@ -345,15 +407,18 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
         uw = rows.get(f"kvtc without sensitivity weighting {target:g}x")
         pt = rows.get(f"kvtc with the paper's quantization types {target:g}x")
         if g and p:
-            gains[f"{target:g}x"] = {"global_delta_ppl_pct": g["delta_ppl_pct"], "global_kl": g.get("kl"),
-                                     "per_layer_delta_ppl_pct": p["delta_ppl_pct"],
-                                     "greedy_delta_ppl_pct": gr["delta_ppl_pct"] if gr else None,
-                                     "unweighted_delta_ppl_pct": uw["delta_ppl_pct"] if uw else None,
-                                     "unweighted_kl": uw.get("kl") if uw else None,
-                                     "paper_types_delta_ppl_pct": pt["delta_ppl_pct"] if pt else None,
-                                     "paper_types_kl": pt.get("kl") if pt else None,
-                                     "paper_types_ratio": pt["ratio"] if pt else None,
-                                     "entropy_gain": g["ratio"] / g["ratio_before_entropy"]}
+            gains[f"{target:g}x"] = {
+                "global_delta_ppl_pct": g["delta_ppl_pct"],
+                "global_kl": g.get("kl"),
+                "per_layer_delta_ppl_pct": p["delta_ppl_pct"],
+                "greedy_delta_ppl_pct": gr["delta_ppl_pct"] if gr else None,
+                "unweighted_delta_ppl_pct": uw["delta_ppl_pct"] if uw else None,
+                "unweighted_kl": uw.get("kl") if uw else None,
+                "paper_types_delta_ppl_pct": pt["delta_ppl_pct"] if pt else None,
+                "paper_types_kl": pt.get("kl") if pt else None,
+                "paper_types_ratio": pt["ratio"] if pt else None,
+                "entropy_gain": g["ratio"] / g["ratio_before_entropy"],
+            }
     if gains:
         checks["ablations"] = gains
     total = result.get("timings_s", {}).get("total")

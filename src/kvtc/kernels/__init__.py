@@ -15,7 +15,7 @@ import os
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -86,8 +86,20 @@ def _block_bits_kernel(hist_ptr, blk_tab_ptr, len_ptr, bits_ptr, nblocks, ROWS: 
 
 
 @triton.jit
-def _encode_kernel(src_ptr, blk_src_ptr, blk_n_ptr, blk_tab_ptr, etab_ptr, blk_wo_ptr, out_ptr, nblocks,
-                   BLOCK: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr):
+def _encode_kernel(
+    src_ptr,
+    blk_src_ptr,
+    blk_n_ptr,
+    blk_tab_ptr,
+    etab_ptr,
+    blk_wo_ptr,
+    out_ptr,
+    nblocks,
+    BLOCK: tl.constexpr,
+    LANES: tl.constexpr,
+    VEC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = lane < nblocks
     s0 = tl.load(blk_src_ptr + lane, mask=live, other=0)  # int64 byte offset from src_ptr, a multiple of VEC
@@ -121,8 +133,7 @@ def _encode_kernel(src_ptr, blk_src_ptr, blk_n_ptr, blk_tab_ptr, etab_ptr, blk_w
             nbits = nbits + ln
             if k % 2 == 1:  # the buffer held < 32 bits, plus 2 codes of <= 12: at most one full word
                 full = nbits >= 32
-                tl.store(out_ptr + wp, (acc & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True),
-                         mask=full & live)
+                tl.store(out_ptr + wp, (acc & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True), mask=full & live)
                 acc = tl.where(full, acc >> 32, acc)
                 nbits = tl.where(full, nbits - 32, nbits)
                 wp = wp + full.to(tl.int64)
@@ -130,9 +141,23 @@ def _encode_kernel(src_ptr, blk_src_ptr, blk_n_ptr, blk_tab_ptr, etab_ptr, blk_w
 
 
 @triton.jit
-def _decode_kernel(words_ptr, blk_wo_ptr, blk_nw_ptr, blk_n_ptr, blk_tab_ptr, blk_out_ptr, dtab_ptr, out_ptr,
-                   err_ptr, nblocks, BLOCK: tl.constexpr, LANES: tl.constexpr, TABLE: tl.constexpr,
-                   VEC: tl.constexpr, PREFETCH: tl.constexpr):
+def _decode_kernel(
+    words_ptr,
+    blk_wo_ptr,
+    blk_nw_ptr,
+    blk_n_ptr,
+    blk_tab_ptr,
+    blk_out_ptr,
+    dtab_ptr,
+    out_ptr,
+    err_ptr,
+    nblocks,
+    BLOCK: tl.constexpr,
+    LANES: tl.constexpr,
+    TABLE: tl.constexpr,
+    VEC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = lane < nblocks
     wo = tl.load(blk_wo_ptr + lane, mask=live, other=0)  # int64 first word of the block
@@ -225,8 +250,16 @@ def block_bits(hist: torch.Tensor, blk_tab: torch.Tensor, lengths: torch.Tensor)
     return bits
 
 
-def encode(src: torch.Tensor, blk_src: torch.Tensor, blk_n: torch.Tensor, blk_tab: torch.Tensor,
-           etab: torch.Tensor, blk_wo: torch.Tensor, out: torch.Tensor, **cfg: int) -> None:
+def encode(
+    src: torch.Tensor,
+    blk_src: torch.Tensor,
+    blk_n: torch.Tensor,
+    blk_tab: torch.Tensor,
+    etab: torch.Tensor,
+    blk_wo: torch.Tensor,
+    out: torch.Tensor,
+    **cfg: int,
+) -> None:
     """Write every block's words from its first word ``blk_wo`` on, into ``out`` (int32).
 
     ``src`` uint8: ``blk_src`` are byte offsets from its first byte (negative or past its end too: the
@@ -237,13 +270,34 @@ def encode(src: torch.Tensor, blk_src: torch.Tensor, blk_n: torch.Tensor, blk_ta
     nb = blk_n.numel()
     if nb:
         _encode_kernel[(triton.cdiv(nb, c["lanes"]),)](
-            src, blk_src, blk_n, blk_tab, etab, blk_wo, out, nb,
-            BLOCK=BLOCK, LANES=c["lanes"], VEC=c["vec"], PREFETCH=bool(c["prefetch"]), num_warps=c["warps"])
+            src,
+            blk_src,
+            blk_n,
+            blk_tab,
+            etab,
+            blk_wo,
+            out,
+            nb,
+            BLOCK=BLOCK,
+            LANES=c["lanes"],
+            VEC=c["vec"],
+            PREFETCH=bool(c["prefetch"]),
+            num_warps=c["warps"],
+        )
 
 
-def decode(words: torch.Tensor, blk_wo: torch.Tensor, blk_nw: torch.Tensor, blk_n: torch.Tensor,
-           blk_tab: torch.Tensor, blk_out: torch.Tensor, dtab: torch.Tensor, out: torch.Tensor,
-           err: torch.Tensor, **cfg: int) -> None:
+def decode(
+    words: torch.Tensor,
+    blk_wo: torch.Tensor,
+    blk_nw: torch.Tensor,
+    blk_n: torch.Tensor,
+    blk_tab: torch.Tensor,
+    blk_out: torch.Tensor,
+    dtab: torch.Tensor,
+    out: torch.Tensor,
+    err: torch.Tensor,
+    **cfg: int,
+) -> None:
     """Decode every block into ``out`` (uint8, a multiple of 16 bytes, each block at a 16-byte aligned
     offset ``blk_out``; a short block's last store may write up to 7 bytes past it). ``dtab`` int16
     ``[streams * 4096]``: symbol | length << 8, 0 for a hole. ``err[0]`` becomes 1 when a block is corrupt."""
@@ -251,9 +305,23 @@ def decode(words: torch.Tensor, blk_wo: torch.Tensor, blk_nw: torch.Tensor, blk_
     nb = blk_n.numel()
     if nb:
         _decode_kernel[(triton.cdiv(nb, c["lanes"]),)](
-            words, blk_wo, blk_nw, blk_n, blk_tab, blk_out, dtab, out.view(_VIEW[c["vec"]]), err, nb,
-            BLOCK=BLOCK, LANES=c["lanes"], TABLE=4096, VEC=c["vec"], PREFETCH=bool(c["prefetch"]),
-            num_warps=c["warps"])
+            words,
+            blk_wo,
+            blk_nw,
+            blk_n,
+            blk_tab,
+            blk_out,
+            dtab,
+            out.view(_VIEW[c["vec"]]),
+            err,
+            nb,
+            BLOCK=BLOCK,
+            LANES=c["lanes"],
+            TABLE=4096,
+            VEC=c["vec"],
+            PREFETCH=bool(c["prefetch"]),
+            num_warps=c["warps"],
+        )
 
 
 __all__ = ["block_hist", "block_bits", "encode", "decode", "ENCODE_CFG", "DECODE_CFG", "HIST_CFG"]

@@ -58,12 +58,27 @@ def _half_up(v):
 
 @triton.jit
 def _quantize_pack_kernel(
-    x_ptr, stride_x, n,
-    col0_ptr, row0_ptr, prow_ptr, ngroups,
-    params_ptr, plane_ptr, plane_bytes, clip_ptr,
-    IS_FP8: tl.constexpr, SYM: tl.constexpr, HAS_CLIP: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
+    x_ptr,
+    stride_x,
+    n,
+    col0_ptr,
+    row0_ptr,
+    prow_ptr,
+    ngroups,
+    params_ptr,
+    plane_ptr,
+    plane_bytes,
+    clip_ptr,
+    IS_FP8: tl.constexpr,
+    SYM: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BITS: tl.constexpr,
     PER: tl.constexpr,
-    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
+    G: tl.constexpr,
+    GPB: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -146,11 +161,25 @@ def _quantize_pack_kernel(
 
 @triton.jit
 def _unpack_dequantize_kernel(
-    y_ptr, stride_y, n,
-    col0_ptr, row0_ptr, prow_ptr, ngroups,
-    params_ptr, plane_ptr, plane_bytes,
-    IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
-    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr,
+    y_ptr,
+    stride_y,
+    n,
+    col0_ptr,
+    row0_ptr,
+    prow_ptr,
+    ngroups,
+    params_ptr,
+    plane_ptr,
+    plane_bytes,
+    IS_FP8: tl.constexpr,
+    SYM: tl.constexpr,
+    MASK: tl.constexpr,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    G: tl.constexpr,
+    GPB: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -213,8 +242,20 @@ def _per(qtype: int, packing: str) -> int:
     return 1 if packing == "bytes" or bits == 8 else 8 // bits
 
 
-def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int, size: int,
-         params: torch.Tensor, plane: torch.Tensor, packing: str, extra: tuple, **consts) -> None:
+def _run(
+    kernel,
+    t: torch.Tensor,
+    col0: torch.Tensor,
+    row0: torch.Tensor,
+    prow: torch.Tensor,
+    qtype: int,
+    size: int,
+    params: torch.Tensor,
+    plane: torch.Tensor,
+    packing: str,
+    extra: tuple,
+    **consts,
+) -> None:
     """Launch ``kernel`` over a bucket's groups and the rows of ``t`` ``[n, k]`` (the coefficients)."""
     n = t.shape[0]
     ngroups = col0.numel()
@@ -224,27 +265,89 @@ def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: 
     gpb, ch = _shape(size)
     grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
     kernel[grid](
-        t, t.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1], *extra,
-        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing),
-        G=size, GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, **consts,
+        t,
+        t.stride(0),
+        n,
+        col0,
+        row0,
+        prow,
+        ngroups,
+        params,
+        plane,
+        plane.shape[1],
+        *extra,
+        IS_FP8=qtype in FP8_TYPES,
+        SYM=qtype in SYMMETRIC,
+        BITS=TYPE_BITS[qtype],
+        PER=_per(qtype, packing),
+        G=size,
+        GPB=gpb,
+        CH=ch,
+        BLOCK_T=BLOCK_T,
+        num_warps=4,
+        **consts,
     )
 
 
-def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
-                  qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
-                  clips: torch.Tensor | None = None) -> None:
+def quantize_pack(
+    coeffs: torch.Tensor,
+    col0: torch.Tensor,
+    row0: torch.Tensor,
+    prow: torch.Tensor,
+    qtype: int,
+    size: int,
+    params: torch.Tensor,
+    plane: torch.Tensor,
+    packing: str,
+    clips: torch.Tensor | None = None,
+) -> None:
     """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
     (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). ``clips``: float32 per
     group (scale-only int types). In place."""
-    _run(_quantize_pack_kernel, coeffs, col0, row0, prow, qtype, size, params, plane, packing,
-         (clips if clips is not None else col0,), HAS_CLIP=clips is not None, LEVELS=(1 << TYPE_BITS[qtype]) - 1)
+    _run(
+        _quantize_pack_kernel,
+        coeffs,
+        col0,
+        row0,
+        prow,
+        qtype,
+        size,
+        params,
+        plane,
+        packing,
+        (clips if clips is not None else col0,),
+        HAS_CLIP=clips is not None,
+        LEVELS=(1 << TYPE_BITS[qtype]) - 1,
+    )
 
 
-def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor,
-                      qtype: int, size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
+def unpack_dequantize(
+    out: torch.Tensor,
+    col0: torch.Tensor,
+    row0: torch.Tensor,
+    prow: torch.Tensor,
+    qtype: int,
+    size: int,
+    params: torch.Tensor,
+    plane: torch.Tensor,
+    packing: str,
+) -> None:
     """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``."""
-    _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing, (),
-         MASK=(1 << TYPE_BITS[qtype]) - 1, enable_fp_fusion=False)
+    _run(
+        _unpack_dequantize_kernel,
+        out,
+        col0,
+        row0,
+        prow,
+        qtype,
+        size,
+        params,
+        plane,
+        packing,
+        (),
+        MASK=(1 << TYPE_BITS[qtype]) - 1,
+        enable_fp_fusion=False,
+    )
 
 
 __all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8"]

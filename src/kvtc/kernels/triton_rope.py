@@ -19,10 +19,25 @@ BLOCK_T = 32
 
 @triton.jit
 def _rope_heads_kernel(
-    x_ptr, sxb, sxt, sxl, sxh,
-    cos_ptr, sin_ptr, sck, scb, sct,
-    kind_ptr, out_ptr, B, H, T,
-    D: tl.constexpr, HALF: tl.constexpr, R: tl.constexpr, BT: tl.constexpr,
+    x_ptr,
+    sxb,
+    sxt,
+    sxl,
+    sxh,
+    cos_ptr,
+    sin_ptr,
+    sck,
+    scb,
+    sct,
+    kind_ptr,
+    out_ptr,
+    B,
+    H,
+    T,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    R: tl.constexpr,
+    BT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # int64 offsets: a cache can hold more than 2^31 elements
     tb = tl.program_id(1).to(tl.int64)
@@ -55,8 +70,14 @@ def _rope_heads_kernel(
     tl.store(o, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-def rope_to_heads(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kinds: torch.Tensor,
-                  rotary_dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+def rope_to_heads(
+    keys: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kinds: torch.Tensor,
+    rotary_dim: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """``keys [B, T, L, H, D]`` -> rotated ``[L, B, H, T, D]`` in ``out_dtype``.
 
     ``cos`` / ``sin``: float32 ``[kinds, B, T, rotary_dim / 2]`` (attention scaling included); ``kinds``: int32
@@ -66,17 +87,34 @@ def rope_to_heads(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kind
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     if D & (D - 1) or rotary_dim % 2 or rotary_dim > D:
-        raise ValueError(f"rope kernel needs a power-of-two head_dim and an even rotary dim <= it, got {D}, {rotary_dim}")
+        raise ValueError(
+            f"rope kernel needs a power-of-two head_dim and an even rotary dim <= it, got {D}, {rotary_dim}"
+        )
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((L, B, H, T, D), dtype=out_dtype, device=keys.device)
     if out.numel() == 0:
         return out
     grid = (L * B * H, triton.cdiv(T, BLOCK_T))
     _rope_heads_kernel[grid](
-        keys, keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
-        cos, sin, cos.stride(0), cos.stride(1), cos.stride(2),
-        kinds.to(device=keys.device, dtype=torch.int32).contiguous(), out, B, H, T,
-        D=D, HALF=rotary_dim // 2, R=rotary_dim, BT=BLOCK_T,
+        keys,
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        keys.stride(3),
+        cos,
+        sin,
+        cos.stride(0),
+        cos.stride(1),
+        cos.stride(2),
+        kinds.to(device=keys.device, dtype=torch.int32).contiguous(),
+        out,
+        B,
+        H,
+        T,
+        D=D,
+        HALF=rotary_dim // 2,
+        R=rotary_dim,
+        BT=BLOCK_T,
     )
     return out
 

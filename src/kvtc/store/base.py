@@ -170,9 +170,7 @@ def parse_size(text: str, what: str = "max_bytes") -> int:
 def reject_unknown_options(scheme: str, options: Mapping[str, str], known: Iterable[str]) -> None:
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise StoreError(
-            f"unknown {scheme}:// store option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+        raise StoreError(f"unknown {scheme}:// store option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
 class Store(ABC):
@@ -206,7 +204,7 @@ class Store(ABC):
     def delete(self, key: str) -> bool:
         """Remove the entry under `key`; True if one was removed."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: stores without connections have nothing to close
         """Release connections and file handles; the stored entries stay."""
 
     def put_many(self, items: Mapping[str, bytes]) -> dict[str, bool]:

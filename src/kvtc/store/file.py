@@ -134,8 +134,12 @@ class FileStore(Store):
     def put(self, key: str, value: bytes) -> bool:
         blob = seal(self.namespace, key, _payload_bytes(value))
         if self.max_bytes is not None and len(blob) > self.max_bytes:
-            self._warn("too-large", "kvtc.store: entry of %d bytes exceeds the file store budget of %d bytes; "
-                       "not stored", len(blob), self.max_bytes)
+            self._warn(
+                "too-large",
+                "kvtc.store: entry of %d bytes exceeds the file store budget of %d bytes; not stored",
+                len(blob),
+                self.max_bytes,
+            )
             return False
         path = self.path_of(key)
         tmp = path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -159,8 +163,12 @@ class FileStore(Store):
         except OSError as e:
             _unlink_quietly(tmp)
             self._count(errors=1)
-            self._warn(f"put-{e.errno}", "kvtc.store: cannot write %s (%s); entry not stored, "
-                       "existing entries are intact", path, e.strerror or e)
+            self._warn(
+                f"put-{e.errno}",
+                "kvtc.store: cannot write %s (%s); entry not stored, existing entries are intact",
+                path,
+                e.strerror or e,
+            )
             return False
         self._count(puts=1, evictions=evicted)
         return True
@@ -319,7 +327,7 @@ class FileStore(Store):
         try:
             view = memoryview(blob)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             now = time.time_ns()
             os.utime(fd, ns=(now, now))
             os.fsync(fd)

@@ -32,8 +32,12 @@ class MemoryStore(Store):
         _name_bytes("key", key)
         data = bytes(_payload_bytes(value))
         if len(data) > self.max_bytes:
-            self._warn("too-large", "kvtc.store: entry of %d bytes exceeds memory budget %d; not stored",
-                       len(data), self.max_bytes)
+            self._warn(
+                "too-large",
+                "kvtc.store: entry of %d bytes exceeds memory budget %d; not stored",
+                len(data),
+                self.max_bytes,
+            )
             return False
         evicted = 0
         with self._lock:

@@ -81,12 +81,17 @@ class _Node:
 
 def check_options(ttl: float | None, timeout: float, retry_interval: float, prefix: str, db: int) -> None:
     """Raise `StoreError` for an option no server could honour (every URL value passes through here)."""
+
     def bounded(name: str, value: float, low: float, high: float, low_open: bool) -> None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            low < value <= high if low_open else low <= value <= high)
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (low < value <= high if low_open else low <= value <= high)
+        )
         if not ok:
-            raise StoreError(f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}] seconds, "
-                             f"got {value!r}")
+            raise StoreError(
+                f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}] seconds, got {value!r}"
+            )
 
     if ttl is not None:
         bounded("ttl", ttl, 0.0, MAX_TTL_S, True)
@@ -130,8 +135,14 @@ class RedisStore(Store):
         self.key_prefix = f"{prefix}{namespace_tag(namespace)}:"
         self.retry_interval = retry_interval
         self._db = db
-        self._client_kwargs = dict(username=username, password=password, ssl=ssl, socket_timeout=timeout,
-                                   socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+        self._client_kwargs = dict(
+            username=username,
+            password=password,
+            ssl=ssl,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
         self._lock = threading.Lock()
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._seeds = seeds
@@ -165,8 +176,14 @@ class RedisStore(Store):
             node.client.connection_pool.disconnect(inuse_connections=False)  # no half-read reply stays pooled
         except Exception:  # noqa: BLE001 - closing sockets of a server that misbehaves
             pass
-        self._warn(f"unavailable:{node.address}", "kvtc.store: Redis at %s failed during %s (%s: %.200s); serving "
-                   "misses for its keys until it is back", node.address, op, type(error).__name__, error)
+        self._warn(
+            f"unavailable:{node.address}",
+            "kvtc.store: Redis at %s failed during %s (%s: %.200s); serving misses for its keys until it is back",
+            node.address,
+            op,
+            type(error).__name__,
+            error,
+        )
 
     def _route(self, commands: Mapping[str, tuple]) -> list[tuple[_Node | None, list[str]]]:
         """Group the keys of `commands` by the server that holds them (None: no server known for it)."""
@@ -217,8 +234,12 @@ class RedisStore(Store):
         with self._lock:
             self._next_map_read = time.monotonic() + max(self.retry_interval, 0.05)
         self._count(errors=1)
-        self._warn("cluster-map", "kvtc.store: no Redis Cluster node of %s gave a slot map (%s); serving misses",
-                   self.address, "; ".join(problems)[:500])
+        self._warn(
+            "cluster-map",
+            "kvtc.store: no Redis Cluster node of %s gave a slot map (%s); serving misses",
+            self.address,
+            "; ".join(problems)[:500],
+        )
         return False
 
     def _run(self, op: str, commands: Mapping[str, tuple]) -> dict[str, Any]:
@@ -242,22 +263,30 @@ class RedisStore(Store):
                 pending = moved
                 continue
             replies.update(dict.fromkeys(moved, _UNSERVED))
-            self._warn("moved", "kvtc.store: Redis at %s keeps redirecting %s requests; treated as misses",
-                       self.address, op)
+            self._warn(
+                "moved", "kvtc.store: Redis at %s keeps redirecting %s requests; treated as misses", self.address, op
+            )
         return replies
 
     def _redirected(self, version: int) -> bool:
         if not self.cluster:
             self.cluster = True  # a redis:// URL naming a cluster node: route by slot from now on
-            self._warn("detected-cluster", "kvtc.store: Redis at %s is a cluster node; routing keys by hash slot "
-                       "(name it redis+cluster:// to say so)", self.address)
+            self._warn(
+                "detected-cluster",
+                "kvtc.store: Redis at %s is a cluster node; routing keys by hash slot "
+                "(name it redis+cluster:// to say so)",
+                self.address,
+            )
         return self._read_map(version)
 
     def _pipeline(self, node: _Node | None, op: str, commands: list[tuple]) -> list[Any]:
         if node is None or time.monotonic() < node.down_until:
             if node is None and self._slots is not None:
-                self._warn("no-owner", "kvtc.store: no Redis Cluster master serves some keys of %s; serving misses",
-                           self.address)
+                self._warn(
+                    "no-owner",
+                    "kvtc.store: no Redis Cluster master serves some keys of %s; serving misses",
+                    self.address,
+                )
             return [_UNSERVED] * len(commands)
         try:
             pipe = node.client.pipeline(transaction=False)
@@ -368,8 +397,13 @@ class RedisStore(Store):
         try:
             while True:
                 reply = node.client.execute_command("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
-                if not (isinstance(reply, (list, tuple)) and len(reply) == 2 and isinstance(reply[1], list)
-                        and isinstance(reply[0], (bytes, int)) and all(isinstance(n, bytes) for n in reply[1])):
+                if not (
+                    isinstance(reply, (list, tuple))
+                    and len(reply) == 2
+                    and isinstance(reply[1], list)
+                    and isinstance(reply[0], (bytes, int))
+                    and all(isinstance(n, bytes) for n in reply[1])
+                ):
                     raise _redis.exceptions.InvalidResponse(f"SCAN answered {type(reply).__name__}")
                 cursor, names = reply
                 if names:  # one DEL per key: the keys of a batch may lie in different slots

@@ -56,8 +56,9 @@ def open_store(url: str, namespace: str) -> Store:
         scheme = parts.scheme.lower()
         pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as e:
-        raise StoreError(f"store URL {url!r} is malformed ({e}); "
-                         "use scheme://host/path?name=value&name=value") from None
+        raise StoreError(
+            f"store URL {url!r} is malformed ({e}); use scheme://host/path?name=value&name=value"
+        ) from None
     options = dict(pairs)
     if len(options) != len(pairs):
         raise StoreError(f"store URL {url!r} gives an option twice")
@@ -70,12 +71,14 @@ def open_store(url: str, namespace: str) -> Store:
         reject_unknown_options("memory", options, ("max_bytes",))
         if parts.netloc or parts.path not in ("", "/"):
             raise StoreError(f"memory store URL {url!r} names a place; use memory://?max_bytes=256MiB")
-        return MemoryStore(namespace, _budget(options["max_bytes"]) if "max_bytes" in options
-                           else DEFAULT_MEMORY_MAX_BYTES)
+        return MemoryStore(
+            namespace, _budget(options["max_bytes"]) if "max_bytes" in options else DEFAULT_MEMORY_MAX_BYTES
+        )
     if scheme in REDIS_SCHEMES:
         return _redis_store(url, parts, scheme, options, namespace)
-    raise StoreError(f"unknown store URL scheme {parts.scheme!r} in {url!r}; use file://, memory://, redis:// or "
-                     "redis+cluster://")
+    raise StoreError(
+        f"unknown store URL scheme {parts.scheme!r} in {url!r}; use file://, memory://, redis:// or redis+cluster://"
+    )
 
 
 def _file_store(url: str, parts, scheme: str, options: dict[str, str], namespace: str) -> FileStore:
@@ -88,8 +91,11 @@ def _file_store(url: str, parts, scheme: str, options: dict[str, str], namespace
         root = unquote(parts.path)
     if not root or "\x00" in root:
         raise StoreError(f"file store URL {url!r} names no usable directory; use file:///absolute/path")
-    kwargs: dict[str, float] = {name: parse_number(options[name], name)
-                                for name in ("evict_to", "tmp_grace", "sweep_interval") if name in options}
+    kwargs: dict[str, float] = {
+        name: parse_number(options[name], name)
+        for name in ("evict_to", "tmp_grace", "sweep_interval")
+        if name in options
+    }
     max_bytes = _budget(options["max_bytes"]) if "max_bytes" in options else None
     return FileStore(root, namespace, max_bytes, **kwargs)
 
@@ -101,13 +107,17 @@ def _redis_store(url: str, parts, scheme: str, options: dict[str, str], namespac
     username, _, password = userinfo.partition(":")
     hosts = [_host_port(url, item) for item in (hostlist.split(",") if hostlist else ["127.0.0.1"])]
     if len(hosts) > 1 and not cluster:
-        raise StoreError(f"redis store URL {url!r} names {len(hosts)} servers; a cluster is "
-                         "redis+cluster://host:port,host:port,...")
+        raise StoreError(
+            f"redis store URL {url!r} names {len(hosts)} servers; a cluster is redis+cluster://host:port,host:port,..."
+        )
     db_text = parts.path.strip("/") or "0"
     if not (db_text.isascii() and db_text.isdigit()) or len(db_text) > 10:
         raise StoreError(f"redis store URL {url!r}: the database must be an integer, as in redis://host:6379/0")
-    numbers = {name: parse_number(options[name], name, high=math.inf) for name in ("ttl", "timeout", "retry_interval")
-               if name in options}
+    numbers = {
+        name: parse_number(options[name], name, high=math.inf)
+        for name in ("ttl", "timeout", "retry_interval")
+        if name in options
+    }
     return RedisStore(
         namespace,
         host=hosts[0][0],

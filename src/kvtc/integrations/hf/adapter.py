@@ -62,8 +62,9 @@ class ModelAdapter:
         self.rope: RopeSpec = rope_spec_from_config(config)
         heads = _kv_heads(text_config(config), self.rope.head_dim)
         layers, self.hybrid = _cache_layers(config)
-        self.layout = KVLayout(layers=layers, num_kv_heads=heads, head_dim=self.rope.head_dim,
-                               dtype=DEFAULT_CONFIG_DTYPE)
+        self.layout = KVLayout(
+            layers=layers, num_kv_heads=heads, head_dim=self.rope.head_dim, dtype=DEFAULT_CONFIG_DTYPE
+        )
         self.name = str(getattr(config, "name_or_path", "") or "")
         self._config = weakref.ref(config)
         ModelAdapter.builds += 1
@@ -72,7 +73,9 @@ class ModelAdapter:
     def config(self) -> PreTrainedConfig:
         config = self._config()
         if config is None:
-            raise UnsupportedModel("the model config this adapter was read from no longer exists; use adapter_for(model)")
+            raise UnsupportedModel(
+                "the model config this adapter was read from no longer exists; use adapter_for(model)"
+            )
         return config
 
     def layout_for(self, model: PreTrainedModel | None = None) -> KVLayout:

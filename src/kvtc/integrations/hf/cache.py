@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from ...calibration.artifact import Calibration, ratio_key
 from ...calibration.load import load_calibration
 from ...codec import Codec, container
-from ...errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError
+from ...errors import CalibrationError, CalibrationMismatch, LayoutError
 from ...fileio import read_blob, write_atomic
 from ...layout import DTYPES, KVLayout
 from .adapter import adapter_for
@@ -161,4 +161,3 @@ def load_blob(path: str | os.PathLike[str]) -> bytes:
 def _model_name(model: Any) -> str:
     name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     return Path(name).name if name else ""
-

@@ -25,11 +25,17 @@ class Codecs:
     calibration that is unreadable, has no bit plan for the ratio, or was made for another model.
     """
 
-    def __init__(self, config: ConnectorConfig, calibration: Calibration | None, rope: RopeSpec | None,
-                 model: str = "the served model") -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        calibration: Calibration | None,
+        rope: RopeSpec | None,
+        model: str = "the served model",
+    ) -> None:
         if config.codec == "kvtc" and (calibration is None or rope is None):
-            raise ConfigError("codec='kvtc' needs a calibration and the model's RoPE spec; build the codecs with "
-                              "Codecs.for_model")
+            raise ConfigError(
+                "codec='kvtc' needs a calibration and the model's RoPE spec; build the codecs with Codecs.for_model"
+            )
         self.config = config
         self.calibration = calibration
         self.rope = rope
@@ -47,8 +53,9 @@ class Codecs:
         """
         if config.codec == "identity":
             if config.calibration is not None:
-                logger.warning("KVTCConnector: codec='identity' stores raw KV; calibration=%r is not used",
-                               config.calibration)
+                logger.warning(
+                    "KVTCConnector: codec='identity' stores raw KV; calibration=%r is not used", config.calibration
+                )
             return cls(config, None, None, model)
         from ..hf import describe_model
 
@@ -81,8 +88,7 @@ class Codecs:
                 calib.check_model(dataclasses.replace(layout, heads=()), self.rope, model=self.model)
                 calib = calib.shard(layout.heads)
         except CalibrationMismatch as e:
-            raise ConfigError(f"{WHERE}: calibration={self.config.calibration!r} does not fit "
-                              f"{self.model}: {e}") from e
+            raise ConfigError(f"{WHERE}: calibration={self.config.calibration!r} does not fit {self.model}: {e}") from e
         self._checked[key] = calib
         return calib
 
@@ -93,8 +99,9 @@ class Codecs:
                 self._by_layout[key] = Codec.identity()
             else:
                 sinks = self.config.sinks if first_chunk else 0
-                self._by_layout[key] = Codec(self._calibration_for(layout), ratio=self.config.ratio, sinks=sinks,
-                                             window=0)
+                self._by_layout[key] = Codec(
+                    self._calibration_for(layout), ratio=self.config.ratio, sinks=sinks, window=0
+                )
         return self._by_layout[key]
 
     @property

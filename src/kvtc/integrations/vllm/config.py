@@ -79,43 +79,77 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
-            raise _refuse("codec", self.codec, "is not a codec", "set codec to 'kvtc' (needs a calibration) or "
-                          "'identity' (raw KV, lossless)")
+            raise _refuse(
+                "codec",
+                self.codec,
+                "is not a codec",
+                "set codec to 'kvtc' (needs a calibration) or 'identity' (raw KV, lossless)",
+            )
         cal = self.calibration
         if cal is not None and not (isinstance(cal, (str, os.PathLike)) and str(cal)):
-            raise _refuse("calibration", cal, "is not a file path", "set calibration to the path of a file made "
-                          "by `kvtc calibrate`")
+            raise _refuse(
+                "calibration",
+                cal,
+                "is not a file path",
+                "set calibration to the path of a file made by `kvtc calibrate`",
+            )
         if self.codec == "kvtc" and cal is None:
-            raise _refuse("calibration", cal, "is required by codec='kvtc'", "set calibration to a file made by "
-                          "`kvtc calibrate` for the served model, or codec='identity' to store raw KV")
+            raise _refuse(
+                "calibration",
+                cal,
+                "is required by codec='kvtc'",
+                "set calibration to a file made by "
+                "`kvtc calibrate` for the served model, or codec='identity' to store raw KV",
+            )
         object.__setattr__(self, "calibration", None if cal is None else str(cal))
         ratio = _coerce("ratio", self.ratio, float, "set ratio to a compression ratio such as 16")
         if not (math.isfinite(ratio) and ratio > 1):
-            raise _refuse("ratio", self.ratio, "is not a compression ratio above 1",
-                          "set ratio to a ratio the calibration has a bit plan for, such as 16")
+            raise _refuse(
+                "ratio",
+                self.ratio,
+                "is not a compression ratio above 1",
+                "set ratio to a ratio the calibration has a bit plan for, such as 16",
+            )
         object.__setattr__(self, "ratio", ratio)
-        chunk = _coerce("chunk_tokens", self.chunk_tokens, int, "set chunk_tokens to a multiple of the KV block "
-                         f"size, such as {DEFAULT_CHUNK_TOKENS}")
+        chunk = _coerce(
+            "chunk_tokens",
+            self.chunk_tokens,
+            int,
+            f"set chunk_tokens to a multiple of the KV block size, such as {DEFAULT_CHUNK_TOKENS}",
+        )
         if chunk <= 0:
-            raise _refuse("chunk_tokens", self.chunk_tokens, "is not a positive number of tokens",
-                          f"set chunk_tokens to a multiple of the KV block size, such as {DEFAULT_CHUNK_TOKENS}")
+            raise _refuse(
+                "chunk_tokens",
+                self.chunk_tokens,
+                "is not a positive number of tokens",
+                f"set chunk_tokens to a multiple of the KV block size, such as {DEFAULT_CHUNK_TOKENS}",
+            )
         object.__setattr__(self, "chunk_tokens", chunk)
         sinks = _coerce("sinks", self.sinks, int, f"set sinks to a token count such as {DEFAULT_SINKS}")
         if not 0 <= sinks <= chunk:
-            raise _refuse("sinks", self.sinks, f"is not a token count between 0 and chunk_tokens={chunk}",
-                          f"set sinks to such a count (sinks sit in the first chunk), such as {DEFAULT_SINKS}")
+            raise _refuse(
+                "sinks",
+                self.sinks,
+                f"is not a token count between 0 and chunk_tokens={chunk}",
+                f"set sinks to such a count (sinks sit in the first chunk), such as {DEFAULT_SINKS}",
+            )
         object.__setattr__(self, "sinks", sinks)
         self._check_store_url()
 
     def _check_store_url(self) -> None:
         url = self.store
         if not isinstance(url, str) or not url:
-            raise _refuse("store", url, "is not a store URL", "set store to file:///absolute/dir or "
-                          "redis://host:port/db")
+            raise _refuse(
+                "store", url, "is not a store URL", "set store to file:///absolute/dir or redis://host:port/db"
+            )
         if urlsplit(url).scheme.lower() == "memory":
-            raise _refuse("store", url, "is private to one process, and vLLM's scheduler and workers run in "
-                          "separate processes (nothing stored would ever be found)",
-                          "use file:///absolute/dir or redis://host:port/db")
+            raise _refuse(
+                "store",
+                url,
+                "is private to one process, and vLLM's scheduler and workers run in "
+                "separate processes (nothing stored would ever be found)",
+                "use file:///absolute/dir or redis://host:port/db",
+            )
 
     @classmethod
     def from_extra(cls, extra: Any) -> ConnectorConfig:
@@ -123,8 +157,10 @@ class ConnectorConfig:
         if extra is None:
             extra = {}
         if not isinstance(extra, dict):
-            raise ConfigError(f"{WHERE} must be a JSON object (a dict), got {type(extra).__name__} {extra!r}; "
-                              f"pass e.g. {{\"calibration\": \"model.kvtc-calib\", \"ratio\": 16}}")
+            raise ConfigError(
+                f"{WHERE} must be a JSON object (a dict), got {type(extra).__name__} {extra!r}; "
+                f'pass e.g. {{"calibration": "model.kvtc-calib", "ratio": 16}}'
+            )
         unknown = []
         for key in extra:
             if key not in KEYS:
@@ -132,8 +168,10 @@ class ConnectorConfig:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 unknown.append(f"{key!r}={extra[key]!r}{hint}")
         if unknown:
-            raise ConfigError(f"{WHERE}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                              f"remove {'them' if len(unknown) > 1 else 'it'} or use one of {', '.join(KEYS)}")
+            raise ConfigError(
+                f"{WHERE}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                f"remove {'them' if len(unknown) > 1 else 'it'} or use one of {', '.join(KEYS)}"
+            )
         return cls(**extra)
 
     def tag(self, calibration_hash: str) -> str:
@@ -173,15 +211,21 @@ class ConnectorSetup:
         chunk, bs = self.config.chunk_tokens, self.block_size
         if bs <= 0 or chunk % bs:
             fix = max(bs, round(chunk / bs) * bs) if bs > 0 else DEFAULT_CHUNK_TOKENS
-            raise _refuse("chunk_tokens", chunk, f"is not a multiple of the engine's KV block size {bs}",
-                          f"set chunk_tokens to a multiple of {bs}, such as {fix}")
+            raise _refuse(
+                "chunk_tokens",
+                chunk,
+                f"is not a multiple of the engine's KV block size {bs}",
+                f"set chunk_tokens to a multiple of {bs}, such as {fix}",
+            )
 
     @classmethod
     def from_vllm(cls, config: ConnectorConfig, vllm_config: VllmConfig, calibration_hash: str) -> ConnectorSetup:
         parallel = vllm_config.parallel_config
         if int(parallel.pipeline_parallel_size) != 1:
-            raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: the KVTC connector does "
-                              "not support pipeline parallelism yet; set pipeline_parallel_size to 1")
+            raise ConfigError(
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}: the KVTC connector does "
+                "not support pipeline parallelism yet; set pipeline_parallel_size to 1"
+            )
         model, cache = vllm_config.model_config, vllm_config.cache_config
         return cls(
             config=config,

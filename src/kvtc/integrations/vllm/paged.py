@@ -158,8 +158,13 @@ class PagedLayout:
         return cache.as_strided((n,), (1,))
 
     def gather(
-        self, cache: torch.Tensor, slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-        dtype: torch.dtype | None = None, index: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        dtype: torch.dtype | None = None,
+        index: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[len(slots), heads, head_dim]`` held at ``slots`` (fp8 caches are dequantized).
         ``index``: :meth:`index` of these slots, shared by layers with the same strides."""
@@ -183,8 +188,14 @@ class PagedLayout:
         return (keys, values) if dtype is None else (keys.to(dtype), values.to(dtype))
 
     def scatter(
-        self, cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-        k_scale: float = 1.0, v_scale: float = 1.0, index: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        index: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Write ``keys``/``values`` ``[len(slots), heads, head_dim]`` to ``slots`` (cast to the cache's dtype)."""
         want = (int(slots.numel()), self.num_heads, self.head_dim)
@@ -196,7 +207,10 @@ class PagedLayout:
                 cache = cache.view(self.fp8_dtype)
             keys = (keys.float() / k_scale).to(cache.dtype)
             values = (values.float() / v_scale).to(cache.dtype)
-        keys, values = keys.to(device=cache.device, dtype=cache.dtype), values.to(device=cache.device, dtype=cache.dtype)
+        keys, values = (
+            keys.to(device=cache.device, dtype=cache.dtype),
+            values.to(device=cache.device, dtype=cache.dtype),
+        )
         if self.split == "probed":
             flat = self._flat(cache)
             ki, vi = index if index is not None else self.index(cache, slots)  # type: ignore[misc]

@@ -56,8 +56,9 @@ class WorkerSide:
     """The caches of rank ``rank`` and their store. ``vllm_config`` is read only to find the attention modules
     of the registered caches."""
 
-    def __init__(self, setup: ConnectorSetup, codecs: Codecs, rank: int, store: Store,
-                 vllm_config: VllmConfig | None = None) -> None:
+    def __init__(
+        self, setup: ConnectorSetup, codecs: Codecs, rank: int, store: Store, vllm_config: VllmConfig | None = None
+    ) -> None:
         self.setup = setup
         self.codecs = codecs
         self.rank = rank
@@ -98,8 +99,12 @@ class WorkerSide:
             paged = PagedLayout.for_backend(backend, cache, len(self.heads), head_dim, cache_dtype)
             layers.append(
                 _Layer(
-                    name, int(m.group(1)), cache, paged,
-                    float(getattr(module, "_k_scale_float", 1.0)), float(getattr(module, "_v_scale_float", 1.0)),
+                    name,
+                    int(m.group(1)),
+                    cache,
+                    paged,
+                    float(getattr(module, "_k_scale_float", 1.0)),
+                    float(getattr(module, "_v_scale_float", 1.0)),
                 )
             )
         if not layers:
@@ -118,7 +123,11 @@ class WorkerSide:
         self.codecs.check(self.layout)  # at startup: this rank's layout against the calibration
         logger.info(
             "KVTCConnector: %d layers, heads %s of %d, %s split, chunk %d tokens, store namespace %s",
-            len(layers), self.heads, self.setup.total_kv_heads, first.paged.split, self.setup.chunk,
+            len(layers),
+            self.heads,
+            self.setup.total_kv_heads,
+            first.paged.split,
+            self.setup.chunk,
             self.setup.namespace(self.rank),
         )
 
@@ -141,10 +150,9 @@ class WorkerSide:
             if sig not in probed:
 
                 def write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-                    impl.do_kv_cache_update(module, k, v, cache, slots)
+                    impl.do_kv_cache_update(module, k, v, cache, slots)  # noqa: B023 - probed in this iteration
 
-                probed[sig] = probe_writer(layer.cache, write, len(self.heads), self.setup.head_dim,
-                                           layer.cache.dtype)
+                probed[sig] = probe_writer(layer.cache, write, len(self.heads), self.setup.head_dim, layer.cache.dtype)
             layer.paged = probed[sig]
 
     # -- load ----------------------------------------------------------------------------------
@@ -186,7 +194,12 @@ class WorkerSide:
                 logger.warning(
                     "KVTCConnector: chunk %d of request %s (tokens %d..%d, key %s…) cannot be restored (%s); "
                     "vLLM will recompute it",
-                    c, job.req_id, lo, job.stop, key[:16], e,
+                    c,
+                    job.req_id,
+                    lo,
+                    job.stop,
+                    key[:16],
+                    e,
                 )
                 upto = lo
                 break
@@ -201,8 +214,9 @@ class WorkerSide:
             slots = slots_for(job.block_ids, bs, lo, hi)
             index = _SharedIndex(slots)
             for li, layer in enumerate(self.layers):
-                layer.paged.scatter(layer.cache, slots, keys[:, li], values[:, li], layer.k_scale, layer.v_scale,
-                                    index=index(layer))
+                layer.paged.scatter(
+                    layer.cache, slots, keys[:, li], values[:, li], layer.k_scale, layer.v_scale, index=index(layer)
+                )
         clock.tokens += hi - lo
         return upto
 
@@ -263,8 +277,14 @@ class WorkerSide:
             ks, vs = [], []
             index = _SharedIndex(slots)
             for layer in self.layers:
-                k, v = layer.paged.gather(layer.cache, slots, layer.k_scale, layer.v_scale,
-                                          dtype=dt if codecs.post_rope else torch.float32, index=index(layer))
+                k, v = layer.paged.gather(
+                    layer.cache,
+                    slots,
+                    layer.k_scale,
+                    layer.v_scale,
+                    dtype=dt if codecs.post_rope else torch.float32,
+                    index=index(layer),
+                )
                 ks.append(k)
                 vs.append(v)
             positions = torch.arange(job.chunk * n, (job.chunk + 1) * n, dtype=torch.int64)[None]
