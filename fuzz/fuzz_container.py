@@ -600,10 +600,7 @@ MUTATORS = (
 )
 #: mutator weights. ``deep``: a third of the inputs pass the header check and reach the decoders;
 #: ``long``: cheaper (most inputs end in the prefix/CRC/JSON checks) for million-input runs
-PROFILES = {
-    "deep": (6, 12, 8, 6, 4, 6, 8, 22, 8, 20),
-    "long": (12, 30, 12, 8, 4, 8, 8, 10, 3, 5),
-}
+PROFILES = {"deep": (6, 12, 8, 6, 4, 6, 8, 22, 8, 20), "long": (12, 30, 12, 8, 4, 8, 8, 10, 3, 5)}
 
 
 def _cuts(profile: str) -> list[float]:

@@ -23,10 +23,7 @@ from kvtc.codec.packing import pack, packed_plane_bytes
 from kvtc.quant import CLIPS, TYPE_BITS, clippable, dequantize, param_rows, quantize
 from synthetic import LowRankSource, make_slice
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _cuda(kv):

@@ -17,6 +17,7 @@ import pytest
 from transformers import LlamaConfig
 
 import tiny_models
+from kvtc.calibration import Recipe
 from kvtc.calibration.fit import fit_calibration
 from kvtc.errors import ConfigError, KVTCError
 from kvtc.integrations.hf import describe_model
@@ -34,7 +35,11 @@ def calibration(tmp_path_factory) -> Path:
     layout, rope = describe_model(tiny_models.llama())
     src = LowRankSource(layout.num_features, rank=8, seed=0)
     cal = fit_calibration(
-        layout, [(src.rows(512), src.rows(512))], ratios=RATIOS, dp_rows=256, rope=rope.to_dict(), model_id="tiny-llama"
+        layout,
+        [(src.rows(512), src.rows(512))],
+        Recipe(ratios=RATIOS, dp_rows=256),
+        rope=rope.to_dict(),
+        model_id="tiny-llama",
     )
     return cal.save(tmp_path_factory.mktemp("cal") / "tiny-llama.kvtc-calib")
 

@@ -63,8 +63,7 @@ def test_declared_4d_layouts_round_trip(split, writer):
 
 
 @pytest.mark.parametrize(
-    "split,shape",
-    [("kv_first", (2, B, N, H, D)), ("kv_second", (B, 2, N, H, D)), ("kv_first_hnd", (2, B, H, N, D))],
+    "split,shape", [("kv_first", (2, B, N, H, D)), ("kv_second", (B, 2, N, H, D)), ("kv_first_hnd", (2, B, H, N, D))]
 )
 def test_legacy_5d_layouts(split, shape):
     cache = torch.zeros(shape, dtype=torch.bfloat16)

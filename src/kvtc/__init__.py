@@ -5,9 +5,18 @@ Inference", ICLR 2026): pre-RoPE PCA across layers and heads, dynamic-programmin
 quantization and entropy coding.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .errors import CalibrationError, CalibrationMismatch, FormatError, KVTCError, LayoutError, UnsupportedModel
+from .errors import (
+    CalibrationError,
+    CalibrationMismatch,
+    ConfigError,
+    FormatError,
+    KVTCError,
+    LayoutError,
+    UnsupportedModel,
+)
+from .lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from .layout import KVLayout, KVSlice, PCAGrouping
@@ -18,17 +27,13 @@ __version__ = "0.1.0"
 _LAZY = {"KVLayout": "layout", "KVSlice": "layout", "PCAGrouping": "layout"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
     "CalibrationError",
     "CalibrationMismatch",
+    "ConfigError",
     "FormatError",
     "KVLayout",
     "KVSlice",

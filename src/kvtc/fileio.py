@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import StoreError
 
@@ -54,60 +57,57 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def _open_regular(path: Path, what: str, error: type[Exception]) -> Iterator[tuple[BinaryIO, int]]:
+    """``(file, size)`` of ``path`` opened for reading without blocking, only if it is a regular file (never a
+    FIFO, a device or a directory); anything else raises ``error`` naming ``what`` the file should be."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror or e}; check the path") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise error(f"{path} is not a regular file; give the path of {what}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            yield f, st.st_size
+        except OSError as e:
+            raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
 def read_regular(path: str | os.PathLike[str], what: str, limit: int | None = None) -> bytes:
     """The bytes of ``path``, opened only if it is a regular file (never blocking on a FIFO, never reading a
     device), and only if it holds at most ``limit`` bytes: anything else is a :class:`~kvtc.errors.KVTCError`
     naming ``what`` the file should be."""
     from .errors import KVTCError
 
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise KVTCError(f"cannot read {what} {path}: {e.strerror or e}; check the path") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise KVTCError(f"{path} is not a regular file; give the path of {what}")
-        if limit is not None and st.st_size > limit:
-            raise KVTCError(f"{path} holds {st.st_size} bytes, more than {what} can ({limit}); check the path")
-        try:
-            return f.read()
-        except OSError as e:
-            raise KVTCError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    with _open_regular(Path(path), what, KVTCError) as (f, size):
+        if limit is not None and size > limit:
+            raise KVTCError(f"{path} holds {size} bytes, more than {what} can ({limit}); check the path")
+        return f.read()
 
 
 def read_blob(path: str | os.PathLike[str]) -> bytes:
     """A ``.kvtc`` file's bytes: opened only if it is a regular file; its prefix and header are read and
     validated first, and the rest only if the header accounts for exactly the file's size."""
     from .codec import container
-    from .errors import FormatError, KVTCError
+    from .errors import FormatError
 
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise FormatError(f"cannot read {path}: {e.strerror or e}; check the path") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        size = st.st_size
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path} is not a regular file; give the path of a .kvtc file")
+    with _open_regular(path, "a .kvtc file", FormatError) as (f, size):
+        head = f.read(container.PREFIX.size)
+        if len(head) == container.PREFIX.size:
+            hlen = container.PREFIX.unpack(head)[3]
+            if hlen <= container.MAX_HEADER_BYTES:
+                head += f.read(hlen)
         try:
-            head = f.read(container.PREFIX.size)
-            if len(head) == container.PREFIX.size:
-                hlen = container.PREFIX.unpack(head)[3]
-                if hlen <= container.MAX_HEADER_BYTES:
-                    head += f.read(hlen)
-            try:
-                header, body = container.read_header(head, partial=True)
-            except FormatError as e:
-                raise FormatError(f"{path}: {e}") from None
-            if body + sum(s.coded for s in header.sections) != size:
-                raise FormatError(
-                    f"{path}: the file holds {size} bytes, its header accounts for "
-                    f"{body + sum(s.coded for s in header.sections)} (truncated or extended)"
-                )
-            return head + f.read()
-        except OSError as e:
-            raise KVTCError(f"cannot read {path}: {e.strerror or e}") from None
+            header, body = container.read_header(head, partial=True)
+        except FormatError as e:
+            raise FormatError(f"{path}: {e}") from None
+        need = body + sum(s.coded for s in header.sections)
+        if need != size:
+            raise FormatError(
+                f"{path}: the file holds {size} bytes, its header accounts for {need} (truncated or extended)"
+            )
+        return head + f.read()

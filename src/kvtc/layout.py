@@ -21,11 +21,7 @@ import torch
 from .errors import LayoutError
 
 #: dtypes a slice may carry, with their on-disk codes (the container stores the code).
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -48,6 +48,9 @@ TYPE_NAMES = {
 }
 TYPE_CODES = {name: code for code, name in TYPE_NAMES.items()}
 TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8}
+#: the coded types in their stream order in a blob (the paper's types first: a blob that uses only them is laid
+#: out as before ours existed)
+CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S)
 #: scale-only types (no per-token shift)
 SYMMETRIC = frozenset({INT2S, INT3S, INT4S, FP8S})
 FP8_TYPES = frozenset({FP8, FP8S})

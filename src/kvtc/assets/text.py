@@ -109,17 +109,7 @@ _DROP_SECTIONS = re.compile(
     r"\s*=+\s*$",
     re.IGNORECASE | re.MULTILINE,
 )
-_DROP_LINK_PREFIXES = (
-    "file:",
-    "image:",
-    "category:",
-    "media:",
-    "wikipedia:",
-    "wp:",
-    "template:",
-    "help:",
-    "portal:",
-)
+_DROP_LINK_PREFIXES = ("file:", "image:", "category:", "media:", "wikipedia:", "wp:", "template:", "help:", "portal:")
 _LINK_BRACKETS = re.compile(r"\[\[|\]\]")
 _INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)?:")
 

@@ -15,11 +15,7 @@ if TYPE_CHECKING:
 
 
 def token_windows(
-    tokenizer: PreTrainedTokenizerBase,
-    texts: Sequence[str],
-    length: int,
-    count: int,
-    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], length: int, count: int, seed: int = 0
 ) -> torch.Tensor:
     """``count`` windows of ``length`` token ids, ``[count, length]`` int64, chosen deterministically.
 
@@ -32,11 +28,7 @@ def token_windows(
 
 
 def iter_token_windows(
-    tokenizer: PreTrainedTokenizerBase,
-    texts: Sequence[str],
-    length: int,
-    count: int,
-    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], length: int, count: int, seed: int = 0
 ) -> Iterator[torch.Tensor]:
     """The windows of :func:`token_windows`, ``[length]`` int64 each, in the same order, holding at most one
     document's tokens at a time: a first pass measures every document's token count, a second tokenizes only the

@@ -112,14 +112,15 @@ class Calibration:
         """Short form of the content hash, used to name the calibration in blobs and store keys."""
         return self.hash[:16]
 
-    def check_layout(self, layout: KVLayout) -> None:
+    def check_layout(self, layout: KVLayout, model: str = "the KV") -> None:
         """Refuse KV of another shape than the calibration's (heads may be a subset: a TP shard)."""
         mine = self.layout
         if layout.model_shape != mine.model_shape:
             raise CalibrationMismatch(
-                f"KV layout (layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim "
-                f"{layout.head_dim}) does not match the calibration's (layers {_short(mine.layers)}, "
-                f"{mine.num_kv_heads} KV heads, head_dim {mine.head_dim}); use a calibration made for this model"
+                f"the calibration was made for another model ({self.model_id or 'unnamed'}: layers "
+                f"{_short(mine.layers)}, {mine.num_kv_heads} KV heads, head_dim {mine.head_dim}) than {model} "
+                f"(layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}); "
+                "use a calibration made for this model (`kvtc calibrate --model ...`)"
             )
         if layout.heads != mine.heads:
             raise CalibrationMismatch(
@@ -137,15 +138,7 @@ class Calibration:
         """
         from ..rope import RopeSpec
 
-        mine = self.layout
-        if layout.model_shape != mine.model_shape:
-            raise CalibrationMismatch(
-                f"the calibration was made for another model ({self.model_id or 'unnamed'}: layers "
-                f"{_short(mine.layers)}, {mine.num_kv_heads} KV heads, head_dim {mine.head_dim}) than {model} "
-                f"(layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}); "
-                "use a calibration made for this model (`kvtc calibrate --model ...`)"
-            )
-        self.check_layout(layout)
+        self.check_layout(layout, model)
         if self.rope is None:
             raise CalibrationMismatch("the calibration records no RoPE spec; recalibrate with `kvtc calibrate`")
         theirs = RopeSpec.from_dict(self.rope)

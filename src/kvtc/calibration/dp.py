@@ -198,10 +198,7 @@ def candidate_errors(
 
 
 def _solve(
-    drop: torch.Tensor,
-    errs: dict[tuple[int, int], torch.Tensor],
-    budget_bits: float,
-    max_columns: int,
+    drop: torch.Tensor, errs: dict[tuple[int, int], torch.Tensor], budget_bits: float, max_columns: int
 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]], int]:
     """Fill the DP table. Returns (last row of ``best``, ``choice``, candidates, unit)."""
     k = drop.numel()
@@ -345,30 +342,19 @@ def split_budget(
     return float(i * a.unit), float((total - i) * a.unit)
 
 
-def allocate(
-    coeffs: torch.Tensor,
-    budget_bits: float,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    types: Sequence[int] = DEFAULT_TYPES,
-    max_columns: int = DEFAULT_MAX_COLUMNS,
-) -> Plan:
+def allocate(coeffs: torch.Tensor, budget_bits: float, **options: Any) -> Plan:
     """Least measured error plan that spends at most ``budget_bits`` bits per token.
 
     ``coeffs``: ``[rows, k]`` PCA coefficients of calibration rows. For a target ratio ``CR`` on ``p``
-    features stored in 16 bits the budget is ``16 * p / CR`` (see :func:`budget_for_ratio`).
+    features stored in 16 bits the budget is ``16 * p / CR`` (see :func:`budget_for_ratio`). ``options``:
+    ``sizes``, ``types`` and ``max_columns`` of :func:`error_curve`.
     """
-    return allocate_many(coeffs, [budget_bits], sizes, types, max_columns)[0]
+    return allocate_many(coeffs, [budget_bits], **options)[0]
 
 
-def allocate_many(
-    coeffs: torch.Tensor,
-    budgets_bits: Sequence[float],
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    types: Sequence[int] = DEFAULT_TYPES,
-    max_columns: int = DEFAULT_MAX_COLUMNS,
-) -> list[Plan]:
+def allocate_many(coeffs: torch.Tensor, budgets_bits: Sequence[float], **options: Any) -> list[Plan]:
     """:func:`allocate` for several budgets from one DP table (solved for the largest budget)."""
-    curve = error_curve(coeffs, max(budgets_bits), sizes, types, max_columns)
+    curve = error_curve(coeffs, max(budgets_bits), **options)
     return [curve.plan(b) for b in budgets_bits]
 
 

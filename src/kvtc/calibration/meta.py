@@ -192,14 +192,19 @@ def _groups(d: Any, layers: int, heads: int, head_dim: int, what: str) -> tuple[
     return size, layers * (heads // size) * head_dim
 
 
+def _per_group(x: Any, groups: int, what: str) -> list[Any]:
+    """A list with one entry per PCA group."""
+    entries = _list(x, what, groups)
+    if len(entries) != groups:
+        raise CalibrationError(f"{what} has {len(entries)} entries for the grouping's {groups} groups")
+    return entries
+
+
 def _pca(d: Any, groups: int, what: str) -> None:
     if not isinstance(d, dict) or set(d) != set(_KINDS):
         raise CalibrationError(f"{what} must have entries for keys and values")
     for kind in _KINDS:
-        infos = _list(d[kind], f"{what} '{kind}'", groups)
-        if len(infos) != groups:
-            raise CalibrationError(f"{what} '{kind}' has {len(infos)} groups, the grouping implies {groups}")
-        for info in infos:
+        for info in _per_group(d[kind], groups, f"{what} '{kind}'"):
             if not isinstance(info, dict) or not set(info) <= {"total_variance", "samples", "scaled"}:
                 raise CalibrationError(f"{what} '{kind}' entries must be objects of total_variance, samples, scaled")
             if _number(info.get("total_variance"), f"{what} total_variance") < 0:
@@ -223,10 +228,7 @@ def _plans(d: Any, groups: int, width: int, what: str) -> None:
         if not isinstance(by_kind, dict) or set(by_kind) != set(_KINDS):
             raise CalibrationError(f"{what} '{key}' must have plans for keys and values")
         for kind in _KINDS:
-            plans = _list(by_kind[kind], f"{what} '{key}' '{kind}'", groups)
-            if len(plans) != groups:
-                raise CalibrationError(f"{what} '{key}' '{kind}' has {len(plans)} plans for {groups} groups")
-            for plan in plans:
+            for plan in _per_group(by_kind[kind], groups, f"{what} '{key}' '{kind}'"):
                 segments += _plan(plan, width, f"{what} '{key}' '{kind}'")
                 if segments > MAX_SEGMENTS:
                     raise CalibrationError(f"{what} declare more than {MAX_SEGMENTS} segments; the file is corrupt")

@@ -15,16 +15,10 @@ DEFAULT_CORPUS = "sotu-pre2000"
 
 def add_calibrate(sub: Any) -> None:
     # defaults resolve at run time: importing transformers only to print --help would take seconds
-    p = sub.add_parser(
-        "calibrate",
-        help="fit a calibration (PCA bases + bit plans) for a model on a corpus",
-        description="Run a model over a corpus and fit KVTC's PCA bases and bit plans.",
-    )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="hub id, local HF directory, or 'default' (the embedded SmolLM2-135M-Instruct)",
-    )
+    p = sub.add_parser("calibrate", help="fit a calibration (PCA bases + bit plans) for a model on a corpus",
+                       description="Run a model over a corpus and fit KVTC's PCA bases and bit plans.")  # fmt: skip
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="hub id, local HF directory, or 'default' (the embedded SmolLM2-135M-Instruct)")  # fmt: skip
     p.add_argument(
         "--corpus",
         nargs="+",

@@ -8,10 +8,15 @@ are viewed as they lie (:func:`device_bytes`) and a section decoded on the devic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from ..errors import FormatError
+
+#: the streams of a pinned uint8 host tensor: ``(tensor, byte offset of each stream)``
+Pinned = tuple[torch.Tensor, Sequence[int]]
 
 
 def align(n: int, a: int = 16) -> int:

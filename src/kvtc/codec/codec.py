@@ -28,7 +28,7 @@ from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
 from . import container
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
-from .clock import Clock
+from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
 from .packing import PACKINGS
 from .quantizer import CODED_TYPES, PlanLayout, Quantizer
@@ -113,7 +113,7 @@ class Codec:
         lay = kv.layout
         if kv.keys.dtype != lay.torch_dtype:
             raise LayoutError(f"slice tensors are {kv.keys.dtype}, its layout says {lay.dtype}")
-        clock = Clock(timings)
+        clock = stage_clock(timings)
         B, T = kv.batch, kv.num_tokens
         if self.calibration is not None:
             self.calibration.check_layout(lay)
@@ -237,7 +237,7 @@ class Codec:
         """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
         (default: CPU). ``blob``: bytes, or a 1-D uint8 CPU tensor holding them (pinned host memory lets a GPU
         codec copy the coded streams to the device without staging)."""
-        clock = Clock(timings)
+        clock = stage_clock(timings)
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
         checks: list[Any] = []  # checksums still running on host threads (GPU path): verified before returning
         with clock("parse"):
@@ -336,7 +336,7 @@ class Codec:
         coeffs: dict[str, list[tuple[torch.Tensor, PlanLayout]]] = {}
         col_index: list[dict[int, int]] = []
         if header.middle_tokens:
-            clock = Clock(None)
+            clock = stage_clock(None)
             ngroups = len(self.calibration.columns)  # type: ignore[union-attr]
             coeffs = {k: [self._coefficients(k, g, header, secs, clock) for g in range(ngroups)] for k in KINDS}
             col_index = [{c: i for i, c in enumerate(cols.tolist())} for cols in self.calibration.columns]  # type: ignore[union-attr]

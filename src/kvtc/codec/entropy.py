@@ -15,7 +15,7 @@ that does not shrink is stored with the ``raw`` backend.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,10 +23,7 @@ import torch
 
 from ..errors import FormatError
 from . import huffman, huffman_gpu, nvcomp
-from .buffers import Parts
-
-#: the streams of a pinned uint8 host tensor: ``(tensor, byte offset of each stream)``
-Pinned = tuple[torch.Tensor, Sequence[int]]
+from .buffers import Parts, Pinned
 
 
 class EntropyCoder(Protocol):

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import FormatError
-from .buffers import Parts, align
+from .buffers import Parts, Pinned, align
 from .huffman import (
-    _TABLE,
     _U32,
     BLOCK,
     NAME,
+    TABLE,
     _block_sizes,
     code_lengths_batch,
     decode_table,
@@ -239,7 +239,7 @@ class DeviceCoder:
             + [np.zeros(0, np.int64)]
         )
         blk_tab = np.concatenate(
-            [np.full(len(p.words), _TABLE * i, dtype=np.int64) for i, p in enumerate(parsed)] + [np.zeros(0, np.int64)]
+            [np.full(len(p.words), TABLE * i, dtype=np.int64) for i, p in enumerate(parsed)] + [np.zeros(0, np.int64)]
         )
         nb = len(blk_n)
         t1 = time.perf_counter()
@@ -282,12 +282,7 @@ class DeviceCoder:
                 )
         return [out[o : o + n] for o, n in zip(st["obase"], st["raw_lens"])]
 
-    def decode(
-        self,
-        streams: list[bytes | memoryview],
-        raw_lens: list[int],
-        pinned: tuple[torch.Tensor, list[int]] | None = None,
-    ) -> list[torch.Tensor]:
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: Pinned | None = None) -> list[Any]:
         """Decode ``huff4k`` streams into uint8 device tensors of exactly ``raw_lens`` bytes. ``pinned``:
         ``(tensor, offsets)`` when the streams lie in a pinned uint8 host tensor at those byte offsets
         (:meth:`stage` copies them from there)."""

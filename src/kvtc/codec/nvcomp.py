@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from .buffers import align
+from .buffers import Pinned, align
 
 NAME = "deflate64k"
 CHUNK = 1 << 16
@@ -219,12 +219,7 @@ class DeviceCoder:
         """:meth:`compress` (the entropy coder protocol's name)."""
         return self.compress(tensors)
 
-    def decode(
-        self,
-        streams: list[bytes | memoryview],
-        raw_lens: list[int],
-        pinned: tuple[torch.Tensor, list[int]] | None = None,
-    ) -> list[torch.Tensor]:
+    def decode(self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: Pinned | None = None) -> list[Any]:
         """:meth:`decompress` (the entropy coder protocol's name); the streams are staged from host memory
         whether or not they lie in ``pinned``."""
         return self.decompress(streams, raw_lens)

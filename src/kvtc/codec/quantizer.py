@@ -17,28 +17,10 @@ import torch
 
 from .. import kernels
 from ..calibration.dp import Plan
-from ..quant import (
-    DROP,
-    FP8,
-    FP8S,
-    INT2,
-    INT2S,
-    INT3,
-    INT3S,
-    INT4,
-    INT4S,
-    TYPE_BITS,
-    TYPE_NAMES,
-    dequantize,
-    param_rows,
-    quantize,
-)
+from ..quant import CODED_TYPES, DROP, TYPE_BITS, TYPE_NAMES, dequantize, param_rows, quantize
 from .buffers import from_le, le_bytes, section_tensor
 from .clock import Clock
 from .packing import pack, packed_plane_bytes, unpack
-
-#: stream order in a blob (the paper's types first: a blob that uses only them is laid out as before ours existed)
-CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S)
 
 
 @dataclass

@@ -6,8 +6,7 @@
 * :mod:`~kvtc.eval.suite`: one run (:class:`EvalConfig`, :func:`run`); :mod:`~kvtc.eval.report`: JSON, table, plot.
 """
 
-from typing import Any
-
+from ..lazy import lazy_attributes
 from .config import EvalConfig
 
 #: imported on first use (they need torch and transformers)
@@ -18,12 +17,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -20,15 +21,15 @@ from ..calibration import Calibration, Plan, budget_for_ratio, ratio_key
 from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES, allocate, candidate_errors
 from ..quant import DROP, group_bits
 
+#: calibration rows: ``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded
+Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
 #: group sizes the greedy allocator tries (each on its own)
 GREEDY_SIZES: tuple[int, ...] = (16, 64, 256)
 
 
 def greedy_allocate(
-    coeffs: torch.Tensor,
-    budget_bits: float,
-    sizes: Sequence[int] = GREEDY_SIZES,
-    types: Sequence[int] = DEFAULT_TYPES,
+    coeffs: torch.Tensor, budget_bits: float, sizes: Sequence[int] = GREEDY_SIZES, types: Sequence[int] = DEFAULT_TYPES
 ) -> Plan:
     """Greedy plan for ``coeffs [rows, k]`` (PCA coefficients) within ``budget_bits`` per token."""
     k = coeffs.shape[1]
@@ -93,38 +94,26 @@ def _push_upgrade(
             return
 
 
-def greedy_calibration(
-    calibration: Calibration,
-    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    ratios: Sequence[float],
-    max_rows: int = 1024,
-    seed: int = 0,
-) -> Calibration:
+def greedy_calibration(calibration: Calibration, rows: Rows, ratios: Sequence[float], **kw: Any) -> Calibration:
     """``calibration``'s bases with greedy plans for ``ratios``, measured on up to ``max_rows`` of ``rows``
     (``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded). Each kind gets the bits the
     calibration's DP plan spends on it, so the ablation compares allocators at the same K/V split."""
-    return replan(calibration, rows, ratios, greedy_allocate, "greedy", max_rows, seed)
+    return replan(calibration, rows, ratios, greedy_allocate, "greedy", **kw)
 
 
-def paper_types_calibration(
-    calibration: Calibration,
-    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    ratios: Sequence[float],
-    max_rows: int = 1024,
-    seed: int = 0,
-) -> Calibration:
+def paper_types_calibration(calibration: Calibration, rows: Rows, ratios: Sequence[float], **kw: Any) -> Calibration:
     """``calibration``'s bases with DP plans restricted to the paper's quantization types (int2, int4, fp8 with
     min/max parameters), at the same bits per kind: the ablation of our int3 and scale-only types."""
 
     def dp_paper(coeffs: torch.Tensor, budget: float) -> Plan:
         return allocate(coeffs, budget, types=PAPER_TYPES)
 
-    return replan(calibration, rows, ratios, dp_paper, "dp-paper-types", max_rows, seed)
+    return replan(calibration, rows, ratios, dp_paper, "dp-paper-types", **kw)
 
 
 def replan(
     calibration: Calibration,
-    rows: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    rows: Rows,
     ratios: Sequence[float],
     allocator: Callable[[torch.Tensor, float], Plan],
     name: str,

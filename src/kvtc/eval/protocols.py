@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..calibration.artifact import KINDS
 from ..integrations.hf import describe_model, extract_slice, rebuild_cache
 from ..layout import KVSlice, dtype_name
 from .decode import attention_mask, greedy_decode
@@ -39,15 +40,16 @@ Progress = Callable[[int], None]
 class Tally:
     """Running sums of one method over windows (or prompts)."""
 
+    #: scored tokens, and the sums over them: negative log-likelihood (lossy, exact), KL(exact‖lossy), top-1 agreement
     tokens: int = 0
     nll: float = 0.0
     nll_exact: float = 0.0
     kl: float = 0.0
     agree: int = 0
-    k_err: float = 0.0
-    k_ref: float = 0.0
-    v_err: float = 0.0
-    v_ref: float = 0.0
+    #: per kind ("keys", "values"): summed squared reconstruction error and squared norm of the exact KV
+    sq_error: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    sq_norm: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    #: bytes stored, bytes before entropy coding, bytes of the 16-bit reference cache
     bytes: float = 0.0
     bytes_raw: float = 0.0
     bytes_ref: float = 0.0
@@ -73,11 +75,11 @@ class Tally:
             self.bytes_raw += raw
 
     def add_error(self, exact: KVSlice, lossy: KVSlice, start: int, stop: int) -> None:
-        for kind in ("keys", "values"):
+        for kind in KINDS:
             a = getattr(exact, kind)[:, start:stop].double()
             b = getattr(lossy, kind)[:, start:stop].double()
-            setattr(self, kind[0] + "_err", getattr(self, kind[0] + "_err") + float((a - b).square().sum()))
-            setattr(self, kind[0] + "_ref", getattr(self, kind[0] + "_ref") + float(a.square().sum()))
+            self.sq_error[kind] += float((a - b).square().sum())
+            self.sq_norm[kind] += float(a.square().sum())
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -95,9 +97,9 @@ class Tally:
                 kl=self.kl / self.tokens,
                 top1_agreement=self.agree / self.tokens,
             )
-            if self.has_error and self.k_ref:
-                out["k_rel_error"] = (self.k_err / self.k_ref) ** 0.5
-                out["v_rel_error"] = (self.v_err / self.v_ref) ** 0.5
+            if self.has_error and self.sq_norm["keys"]:
+                for kind in KINDS:
+                    out[f"{kind[0]}_rel_error"] = (self.sq_error[kind] / self.sq_norm[kind]) ** 0.5
         if self.prompts:
             out.update(
                 prompts=self.prompts,

@@ -38,6 +38,8 @@ from ..calibration.recipe import (
 from ..codec import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import CalibrationError
 from ..layout import KVSlice
+from ..progress import StageTimer
+from ..progress import bar as progress_bar
 from .hf import describe_model, extract_slice, rebuild_cache
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,7 @@ def collect_rows(
         raise CalibrationError(f"calibration window ({window}) must be longer than the sinks ({sinks})")
     layout, _ = describe_model(model)
     device = next(model.parameters()).device
-    bar = _bar(tokens, "calibration tokens", progress)
+    bar = progress_bar(tokens, "calibration tokens", progress, unit="tok")
     done = 0
     try:
         count = -(-tokens // (window - sinks))
@@ -189,7 +191,7 @@ def measure_sensitivity(
     sums = {kind: torch.zeros(layout.num_features, dtype=torch.float64) for kind in ("keys", "values")}
     count = 0
     flags = [p.requires_grad for p in model.parameters()]
-    bar = _bar(windows, "sensitivity windows", progress)
+    bar = progress_bar(windows, "sensitivity windows", progress, unit="tok")
     try:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -265,37 +267,30 @@ def calibrate_model(
     meta_sens: dict[str, Any] = {"method": recipe.sensitivity}
     if recipe.sensitivity == "fisher" and feature_scale is None:
         normalize = "joint" if recipe.split_errors == "weighted" else "kind"
+        # the measurement's settings, recorded with the calibration as they were used
+        measured = {
+            "windows": recipe.sensitivity_windows,
+            "context": recipe.sensitivity_context,
+            "continuation": recipe.sensitivity_continuation,
+            "labels": recipe.sensitivity_labels,
+        }
         fisher = measure_sensitivity(
-            model,
-            tokenizer,
-            texts,
-            windows=recipe.sensitivity_windows,
-            context=recipe.sensitivity_context,
-            continuation=recipe.sensitivity_continuation,
-            sinks=recipe.sinks,
-            progress=progress,
-            labels=recipe.sensitivity_labels,
-            seed=recipe.seed,
+            model, tokenizer, texts, **measured, sinks=recipe.sinks, progress=progress, seed=recipe.seed,
             sampling=recipe.sampling,
-        )
+        )  # fmt: skip
         feature_scale = sensitivity_scales(
             fisher, recipe.sensitivity_resolution, recipe.sensitivity_floor, layout.head_dim, normalize=normalize
         )
         meta_sens.update(
-            windows=recipe.sensitivity_windows,
-            context=recipe.sensitivity_context,
-            continuation=recipe.sensitivity_continuation,
-            resolution=recipe.sensitivity_resolution,
-            labels=recipe.sensitivity_labels,
-            normalize=normalize,
-            floor=recipe.sensitivity_floor,
+            measured, resolution=recipe.sensitivity_resolution, normalize=normalize, floor=recipe.sensitivity_floor,
             seconds=round(time.perf_counter() - t0, 3),
-        )
+        )  # fmt: skip
     rows = collect_rows(
         model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed
     )
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
+    timer = StageTimer()
     meta.update(
         {
             "tokens": recipe.tokens,
@@ -307,7 +302,7 @@ def calibrate_model(
     )
     cal = fit_calibration(
         layout,
-        _timed(rows, meta),
+        timer.iterate(rows, "collect"),
         recipe,
         feature_scale=feature_scale,
         rope=rope.to_dict(),
@@ -317,24 +312,9 @@ def calibrate_model(
     )
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
-    cal.stats["seconds"]["collect"] = meta.pop("_collect_s", None)
+    cal.stats["seconds"]["collect"] = round(timer.seconds["collect"], 3)
     cal.stats["recipe"] = recipe.to_dict()
     return cal
-
-
-def _timed(
-    rows: Iterator[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any]
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    spent = 0.0
-    while True:
-        t0 = time.perf_counter()
-        try:
-            pair = next(rows)
-        except StopIteration:
-            break
-        spent += time.perf_counter() - t0
-        yield pair
-    meta["_collect_s"] = round(spent, 3)
 
 
 def default_calibration(recipe: Recipe = Recipe(), progress: bool = True) -> Path:
@@ -376,18 +356,3 @@ def default_calibration_path(recipe: Recipe = Recipe()) -> Path:
             "and save the result"
         )
     return assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{recipe.tokens}-{name}.safetensors"
-
-
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        enabled = False
-    if not enabled:
-
-        class _Null:
-            def update(self, _n: int) -> None: ...
-            def close(self) -> None: ...
-
-        return _Null()
-    return tqdm(total=total, desc=desc, unit="tok", smoothing=0.1)

@@ -85,20 +85,11 @@ def _block_bits_kernel(hist_ptr, blk_tab_ptr, len_ptr, bits_ptr, nblocks, ROWS: 
     tl.store(bits_ptr + rows, tl.sum(h * ln, axis=1), mask=m)
 
 
+# fmt: off
 @triton.jit
 def _encode_kernel(
-    src_ptr,
-    blk_src_ptr,
-    blk_n_ptr,
-    blk_tab_ptr,
-    etab_ptr,
-    blk_wo_ptr,
-    out_ptr,
-    nblocks,
-    BLOCK: tl.constexpr,
-    LANES: tl.constexpr,
-    VEC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    src_ptr, blk_src_ptr, blk_n_ptr, blk_tab_ptr, etab_ptr, blk_wo_ptr, out_ptr, nblocks, BLOCK: tl.constexpr,
+    LANES: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr
 ):
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = lane < nblocks
@@ -138,25 +129,14 @@ def _encode_kernel(
                 nbits = tl.where(full, nbits - 32, nbits)
                 wp = wp + full.to(tl.int64)
     tl.store(out_ptr + wp, (acc & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True), mask=(nbits > 0) & live)
+# fmt: on
 
 
+# fmt: off
 @triton.jit
 def _decode_kernel(
-    words_ptr,
-    blk_wo_ptr,
-    blk_nw_ptr,
-    blk_n_ptr,
-    blk_tab_ptr,
-    blk_out_ptr,
-    dtab_ptr,
-    out_ptr,
-    err_ptr,
-    nblocks,
-    BLOCK: tl.constexpr,
-    LANES: tl.constexpr,
-    TABLE: tl.constexpr,
-    VEC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    words_ptr, blk_wo_ptr, blk_nw_ptr, blk_n_ptr, blk_tab_ptr, blk_out_ptr, dtab_ptr, out_ptr, err_ptr, nblocks,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, TABLE: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr
 ):
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     live = lane < nblocks
@@ -210,6 +190,7 @@ def _decode_kernel(
     bad = bad | (acc != 0).to(tl.int32)  # what is left is the last word's padding (and zeros past it)
     bad = tl.where(live, bad, 0)
     tl.atomic_max(err_ptr, tl.max(bad, axis=0))
+# fmt: on
 
 
 #: launch settings (lanes a program, warps, bytes a load/store, load ahead): the fastest of the sweep in
@@ -266,24 +247,7 @@ def encode(
     streams of one batch may live in separate allocations), each a multiple of 8 from a 16-byte aligned
     address; a load may read up to 7 bytes past a block's end (never past a 16-byte aligned allocation's
     rounded end). ``etab`` int16 ``[streams * 256]``: code | (length - 1) << 12 of each present byte."""
-    c = {**ENCODE_CFG, **cfg}
-    nb = blk_n.numel()
-    if nb:
-        _encode_kernel[(triton.cdiv(nb, c["lanes"]),)](
-            src,
-            blk_src,
-            blk_n,
-            blk_tab,
-            etab,
-            blk_wo,
-            out,
-            nb,
-            BLOCK=BLOCK,
-            LANES=c["lanes"],
-            VEC=c["vec"],
-            PREFETCH=bool(c["prefetch"]),
-            num_warps=c["warps"],
-        )
+    _launch(_encode_kernel, {**ENCODE_CFG, **cfg}, blk_n.numel(), src, blk_src, blk_n, blk_tab, etab, blk_wo, out)
 
 
 def decode(
@@ -302,26 +266,17 @@ def decode(
     offset ``blk_out``; a short block's last store may write up to 7 bytes past it). ``dtab`` int16
     ``[streams * 4096]``: symbol | length << 8, 0 for a hole. ``err[0]`` becomes 1 when a block is corrupt."""
     c = {**DECODE_CFG, **cfg}
-    nb = blk_n.numel()
+    args = (words, blk_wo, blk_nw, blk_n, blk_tab, blk_out, dtab, out.view(_VIEW[c["vec"]]), err)
+    _launch(_decode_kernel, c, blk_n.numel(), *args, TABLE=4096)
+
+
+def _launch(kernel: Any, c: dict[str, int], nb: int, *args: Any, **meta: Any) -> None:
+    """Run a block coder ``kernel`` over ``nb`` blocks, ``c["lanes"]`` blocks a program."""
     if nb:
-        _decode_kernel[(triton.cdiv(nb, c["lanes"]),)](
-            words,
-            blk_wo,
-            blk_nw,
-            blk_n,
-            blk_tab,
-            blk_out,
-            dtab,
-            out.view(_VIEW[c["vec"]]),
-            err,
-            nb,
-            BLOCK=BLOCK,
-            LANES=c["lanes"],
-            TABLE=4096,
-            VEC=c["vec"],
-            PREFETCH=bool(c["prefetch"]),
-            num_warps=c["warps"],
-        )
+        kernel[(triton.cdiv(nb, c["lanes"]),)](
+            *args, nb, BLOCK=BLOCK, LANES=c["lanes"], VEC=c["vec"], PREFETCH=bool(c["prefetch"]),
+            num_warps=c["warps"], **meta,
+        )  # fmt: skip
 
 
 __all__ = ["block_hist", "block_bits", "encode", "decode", "ENCODE_CFG", "DECODE_CFG", "HIST_CFG"]

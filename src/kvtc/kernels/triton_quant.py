@@ -57,38 +57,27 @@ def _half_up(v):
 
 
 @triton.jit
-def _quantize_pack_kernel(
-    x_ptr,
-    stride_x,
-    n,
-    col0_ptr,
-    row0_ptr,
-    prow_ptr,
-    ngroups,
-    params_ptr,
-    plane_ptr,
-    plane_bytes,
-    clip_ptr,
-    IS_FP8: tl.constexpr,
-    SYM: tl.constexpr,
-    HAS_CLIP: tl.constexpr,
-    LEVELS: tl.constexpr,
-    BITS: tl.constexpr,
-    PER: tl.constexpr,
-    G: tl.constexpr,
-    GPB: tl.constexpr,
-    CH: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    pid_g = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    gi = pid_g * GPB + tl.arange(0, GPB)  # [GPB]
+def _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's tile: its groups (index, mask, first column, first plane row, params row; ``[GPB]``) and
+    its tokens (index and mask; ``[BLOCK_T]``)."""
+    gi = tl.program_id(0) * GPB + tl.arange(0, GPB)
     gmask = gi < ngroups
     col0 = tl.load(col0_ptr + gi, mask=gmask, other=0).to(tl.int64)
     row0 = tl.load(row0_ptr + gi, mask=gmask, other=0).to(tl.int64)
     prow = tl.load(prow_ptr + gi, mask=gmask, other=0).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
-    tmask = t < n
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return gi, gmask, col0, row0, prow, t, t < n
+
+
+# fmt: off
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr, stride_x, n, col0_ptr, row0_ptr, prow_ptr, ngroups, params_ptr, plane_ptr, plane_bytes, clip_ptr,
+    IS_FP8: tl.constexpr, SYM: tl.constexpr, HAS_CLIP: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
+    PER: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    pid_t = tl.program_id(1)
+    gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
     c = tl.arange(0, CH)
     t3 = t.to(tl.int64)[:, None, None]
     m3 = tmask[:, None, None] & gmask[None, :, None]
@@ -157,39 +146,18 @@ def _quantize_pack_kernel(
             out = tl.sum(sym << sh_bits, axis=1)  # [T/PER, GPB*CH]
             optr = plane_ptr + rows[None, :] * plane_bytes + tb.to(tl.int64)[:, None]
             tl.store(optr, out.to(tl.uint8), mask=(tb < plane_bytes)[:, None] & rmask[None, :])
+# fmt: on
 
 
+# fmt: off
 @triton.jit
 def _unpack_dequantize_kernel(
-    y_ptr,
-    stride_y,
-    n,
-    col0_ptr,
-    row0_ptr,
-    prow_ptr,
-    ngroups,
-    params_ptr,
-    plane_ptr,
-    plane_bytes,
-    IS_FP8: tl.constexpr,
-    SYM: tl.constexpr,
-    MASK: tl.constexpr,
-    BITS: tl.constexpr,
-    PER: tl.constexpr,
-    G: tl.constexpr,
-    GPB: tl.constexpr,
-    CH: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    y_ptr, stride_y, n, col0_ptr, row0_ptr, prow_ptr, ngroups, params_ptr, plane_ptr, plane_bytes,
+    IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr
 ):
-    pid_g = tl.program_id(0)
     pid_t = tl.program_id(1)
-    gi = pid_g * GPB + tl.arange(0, GPB)
-    gmask = gi < ngroups
-    col0 = tl.load(col0_ptr + gi, mask=gmask, other=0).to(tl.int64)
-    row0 = tl.load(row0_ptr + gi, mask=gmask, other=0).to(tl.int64)
-    prow = tl.load(prow_ptr + gi, mask=gmask, other=0).to(tl.int64)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < n
+    gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
     c = tl.arange(0, CH)
     pm = tmask[:, None] & gmask[None, :]
     pptr = params_ptr + prow[None, :] * n + t.to(tl.int64)[:, None]
@@ -228,6 +196,7 @@ def _unpack_dequantize_kernel(
         cols = col0[None, :, None] + k + c[None, None, :]
         optr = y_ptr + t.to(tl.int64)[:, None, None] * stride_y + cols
         tl.store(optr, out, mask=tmask[:, None, None] & gmask[None, :, None])
+# fmt: on
 
 
 def _shape(size: int) -> tuple[int, int]:
@@ -242,20 +211,9 @@ def _per(qtype: int, packing: str) -> int:
     return 1 if packing == "bytes" or bits == 8 else 8 // bits
 
 
-def _run(
-    kernel,
-    t: torch.Tensor,
-    col0: torch.Tensor,
-    row0: torch.Tensor,
-    prow: torch.Tensor,
-    qtype: int,
-    size: int,
-    params: torch.Tensor,
-    plane: torch.Tensor,
-    packing: str,
-    extra: tuple,
-    **consts,
-) -> None:
+# fmt: off
+def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int, size: int,
+         params: torch.Tensor, plane: torch.Tensor, packing: str, extra: tuple, **consts) -> None:
     """Launch ``kernel`` over a bucket's groups and the rows of ``t`` ``[n, k]`` (the coefficients)."""
     n = t.shape[0]
     ngroups = col0.numel()
@@ -265,89 +223,28 @@ def _run(
     gpb, ch = _shape(size)
     grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
     kernel[grid](
-        t,
-        t.stride(0),
-        n,
-        col0,
-        row0,
-        prow,
-        ngroups,
-        params,
-        plane,
-        plane.shape[1],
-        *extra,
-        IS_FP8=qtype in FP8_TYPES,
-        SYM=qtype in SYMMETRIC,
-        BITS=TYPE_BITS[qtype],
-        PER=_per(qtype, packing),
-        G=size,
-        GPB=gpb,
-        CH=ch,
-        BLOCK_T=BLOCK_T,
-        num_warps=4,
-        **consts,
+        t, t.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1], *extra,
+        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing), G=size,
+        GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, **consts,
     )
 
 
-def quantize_pack(
-    coeffs: torch.Tensor,
-    col0: torch.Tensor,
-    row0: torch.Tensor,
-    prow: torch.Tensor,
-    qtype: int,
-    size: int,
-    params: torch.Tensor,
-    plane: torch.Tensor,
-    packing: str,
-    clips: torch.Tensor | None = None,
-) -> None:
+def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int,
+                  size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
+                  clips: torch.Tensor | None = None) -> None:
     """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
     (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). ``clips``: float32 per
     group (scale-only int types). In place."""
-    _run(
-        _quantize_pack_kernel,
-        coeffs,
-        col0,
-        row0,
-        prow,
-        qtype,
-        size,
-        params,
-        plane,
-        packing,
-        (clips if clips is not None else col0,),
-        HAS_CLIP=clips is not None,
-        LEVELS=(1 << TYPE_BITS[qtype]) - 1,
-    )
+    _run(_quantize_pack_kernel, coeffs, col0, row0, prow, qtype, size, params, plane, packing,
+         (clips if clips is not None else col0,), HAS_CLIP=clips is not None, LEVELS=(1 << TYPE_BITS[qtype]) - 1)
 
 
-def unpack_dequantize(
-    out: torch.Tensor,
-    col0: torch.Tensor,
-    row0: torch.Tensor,
-    prow: torch.Tensor,
-    qtype: int,
-    size: int,
-    params: torch.Tensor,
-    plane: torch.Tensor,
-    packing: str,
-) -> None:
+def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int,
+                      size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
     """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``."""
-    _run(
-        _unpack_dequantize_kernel,
-        out,
-        col0,
-        row0,
-        prow,
-        qtype,
-        size,
-        params,
-        plane,
-        packing,
-        (),
-        MASK=(1 << TYPE_BITS[qtype]) - 1,
-        enable_fp_fusion=False,
-    )
+    _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing, (),
+         MASK=(1 << TYPE_BITS[qtype]) - 1, enable_fp_fusion=False)
+# fmt: on
 
 
 __all__ = ["quantize_pack", "unpack_dequantize", "INT2", "INT4", "FP8"]

@@ -250,10 +250,7 @@ def extract_slice(
 
 
 def rebuild_cache(
-    kv: KVSlice,
-    model_or_config: PreTrainedModel | PreTrainedConfig,
-    *,
-    linear_states: Cache | None = None,
+    kv: KVSlice, model_or_config: PreTrainedModel | PreTrainedConfig, *, linear_states: Cache | None = None
 ) -> DynamicCache:
     """A fresh ``DynamicCache(config=...)`` holding ``kv`` with RoPE re-applied, ready for ``model(...)`` or
     ``model.generate(...)`` as ``past_key_values``.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ import torch
 
 from ...errors import KVTCError, LayoutError
 from ...layout import KVLayout, KVSlice
+from ...progress import StageTimer
 from ...store import Store
 from .codecs import Codecs
 from .config import ConnectorSetup
@@ -312,7 +312,7 @@ class _SharedIndex:
         return self.memo[key]
 
 
-class _Timings:
+class _Timings(StageTimer):
     """What one step's loads or saves did, and the seconds spent per stage (logged at DEBUG level).
 
     ``tokens``: tokens restored into the cache, or stored (accepted by the store); ``bytes``: stored bytes;
@@ -320,15 +320,11 @@ class _Timings:
     """
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+        super().__init__()
         self.tokens = 0
         self.bytes = 0
         self.failed = 0
         self.refused = 0
-        self._t0 = time.perf_counter()
-
-    def __call__(self, stage: str) -> _Stage:
-        return _Stage(self, stage)
 
     def __str__(self) -> str:
         notes = [f"{k} {v:.3f}" for k, v in self.seconds.items()]
@@ -338,15 +334,4 @@ class _Timings:
             notes.append(f"{self.failed} tokens not restored, recomputed by vLLM")
         if self.refused:
             notes.append(f"{self.refused} chunks refused by the store")
-        return f"{self.tokens} tokens in {time.perf_counter() - self._t0:.3f} s ({', '.join(notes)})"
-
-
-class _Stage:
-    def __init__(self, timings: _Timings, stage: str) -> None:
-        self.timings, self.stage = timings, stage
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.timings.seconds[self.stage] = self.timings.seconds.get(self.stage, 0.0) + time.perf_counter() - self.t0
+        return f"{self.tokens} tokens in {self.elapsed():.3f} s ({', '.join(notes)})"
