@@ -158,8 +158,8 @@ class Recipe:
             _bad("split_errors", self.split_errors, "weighted errors only choose a joint split: set kv_split='joint'")
         if self.window <= self.sinks:
             _bad("window", self.window, f"a calibration window must be longer than the sinks ({self.sinks})")
-        if self.tokens < self.window:
-            _bad("tokens", self.tokens, f"calibrate on at least one window ({self.window} tokens)")
+        if not self.window <= self.tokens <= 1 << 32:
+            _bad("tokens", self.tokens, f"calibrate on at least one window ({self.window} tokens) and at most 2**32")
 
     @property
     def name(self) -> str | None:

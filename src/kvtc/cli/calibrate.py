@@ -99,6 +99,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             )
         corpus = args.corpus[0] if len(args.corpus) == 1 and args.corpus[0] in assets.BUILTIN_CORPORA else args.corpus
         texts = assets.corpus(corpus)
+        if not any(t.strip() for t in texts):
+            raise KVTCError(f"the corpus {args.corpus} holds no text; give text files or a builtin corpus")
         model, tok = assets.load_model(args.model, device=args.device)
         name = assets.DEFAULT_MODEL if is_default_model(args.model) else str(args.model)
         cal = calibrate_model(
