@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socketserver
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,48 +20,18 @@ from kvtc.errors import StoreError
 from kvtc.store import FileStore, RedisStore, Store, open_store, seal
 from redis_server import redis_cluster, redis_server, redis_url, whole_cluster_url  # noqa: F401  (fixtures)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
+import fuzz_store  # noqa: E402  (the store fuzz campaign's inputs)
+
 NS = "model:calibration"
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 # -- URLs ------------------------------------------------------------------------------------
 
-OPTION_NAMES = [
-    "ttl",
-    "timeout",
-    "retry_interval",
-    "prefix",
-    "max_bytes",
-    "evict_to",
-    "tmp_grace",
-    "sweep_interval",
-    "budget",
-    "",
-]
+# the URL parts the store fuzz campaign draws from (fuzz/fuzz_store.py), here as hypothesis strategies
+OPTION_NAMES = fuzz_store.OPTION_NAMES
 NUMBERS = st.one_of(
-    st.sampled_from(
-        [
-            "inf",
-            "-inf",
-            "nan",
-            "1e400",
-            "-0",
-            "0",
-            "1e-300",
-            "0x10",
-            "1_000",
-            " 5",
-            "٣",
-            "1e308",
-            "99999999999999999999999999",
-            "18446744073709551616",
-            "64MiB",
-            "2G",
-            "1k",
-            "-1",
-            "",
-            "%00",
-        ]
-    ),
+    st.sampled_from(fuzz_store.NUMBERS),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.integers(min_value=-(10**30), max_value=10**30).map(str),
     st.text(max_size=12),
@@ -69,34 +39,7 @@ NUMBERS = st.one_of(
 QUERY = st.lists(st.tuples(st.sampled_from(OPTION_NAMES), NUMBERS), max_size=4).map(
     lambda pairs: "&".join(f"{k}={v}" for k, v in pairs)
 )
-NETLOC = st.one_of(
-    st.sampled_from(
-        [
-            "",
-            "h",
-            "h:1",
-            "h:0",
-            "h:65536",
-            "h:-1",
-            "h:x",
-            "[::1]:7000",
-            "[::1",
-            "::1]",
-            "u:p@h:1",
-            "a:1,b:2",
-            "a:1,,b",
-            ",",
-            "@",
-            "h:1:2",
-            "%zz",
-            "h%00",
-            "a b",
-            "[]:1",
-            "h:" + "9" * 30,
-        ]
-    ),
-    st.text(max_size=20),
-)
+NETLOC = st.one_of(st.sampled_from(fuzz_store.NETLOCS), st.text(max_size=20))
 
 
 def _check(url: str) -> Store | None:
@@ -229,57 +172,7 @@ def test_whatever_a_key_holds_is_a_miss(
 # -- a server that answers anything ----------------------------------------------------------
 
 
-class HostileServer(socketserver.ThreadingTCPServer):
-    """A real TCP server on 127.0.0.1 that reads RESP2 commands and answers each with the next of `replies`
-    (cycled); ``CLUSTER SLOTS`` gets `slots_reply`."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _HostileHandler)
-        self.port = self.server_address[1]
-        self.replies: list[bytes] = [b"+OK\r\n"]
-        self.slots_reply = b"*0\r\n"
-        self.count = 0
-        self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def answer(self, command: list[bytes]) -> bytes:
-        if [c.upper() for c in command[:2]] == [b"CLUSTER", b"SLOTS"]:
-            return self.slots_reply
-        self.count += 1
-        return self.replies[self.count % len(self.replies)]
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-class _HostileHandler(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        try:
-            while True:
-                command = _read_command(self.rfile)
-                if command is None:
-                    return
-                self.wfile.write(self.server.answer(command))
-                self.wfile.flush()
-        except (OSError, ValueError):
-            return
-
-
-def _read_command(rfile) -> list[bytes] | None:
-    line = rfile.readline()
-    if not line:
-        return None
-    if not line.startswith(b"*"):
-        raise ValueError(f"not a RESP command: {line[:20]!r}")
-    args = []
-    for _ in range(int(line[1:])):
-        length = int(rfile.readline()[1:])
-        args.append(rfile.read(length + 2)[:-2])
-    return args
+HostileServer = fuzz_store.HostileServer  # the campaign's server: answers each command with the next reply
 
 
 @pytest.fixture(scope="module")
@@ -289,42 +182,13 @@ def hostile() -> Iterator[HostileServer]:
     server.close()
 
 
-def _resp(items: list[bytes]) -> bytes:
-    return b"*%d\r\n" % len(items) + b"".join(items)
-
-
-def _line(b: bytes) -> bytes:
-    return b.replace(b"\r", b"").replace(b"\n", b"")
+_resp, _line = fuzz_store._resp, fuzz_store._line
 
 
 LEAF = st.one_of(
     st.binary(max_size=30).map(lambda b: b"+" + _line(b) + b"\r\n"),
     st.binary(max_size=30).map(lambda b: b"-" + _line(b) + b"\r\n"),
-    st.sampled_from(
-        [
-            b"-MOVED\r\n",
-            b"-MOVED x\r\n",
-            b"-MOVED 1 127.0.0.1:1\r\n",
-            b"-ASK 99999 :\r\n",
-            b"-CLUSTERDOWN The cluster is down\r\n",
-            b"-WRONGTYPE x\r\n",
-            b"-LOADING\r\n",
-            b"-TRYAGAIN\r\n",
-            b"-OOM\r\n",
-            b"$-1\r\n",
-            b"*-1\r\n",
-            b"_\r\n",
-            b"%1\r\n+a\r\n+b\r\n",
-            b"$5\r\nab\r\n",
-            b"$99999999999\r\n",
-            b":x\r\n",
-            b"*x\r\n",
-            b"\r\n",
-            b"+OK\r\n",
-            b":1\r\n",
-            b":0\r\n",
-        ]
-    ),
+    st.sampled_from(fuzz_store.FIXED_LEAVES),
     st.integers(min_value=-(2**70), max_value=2**70).map(lambda i: b":%d\r\n" % i),
     st.binary(max_size=120).map(lambda b: b"$%d\r\n%s\r\n" % (len(b), b)),
     st.sampled_from([seal(NS, "k0", b"payload"), seal(NS, "other", b"payload")]).map(
@@ -377,7 +241,7 @@ def test_any_reply_is_a_miss_never_an_exception(
     hostile: HostileServer, data, replies: list[bytes], scheme: str
 ) -> None:
     hostile.replies = replies
-    hostile.slots_reply = data.draw(_slot_replies(hostile.port))
+    hostile.slots = data.draw(_slot_replies(hostile.port))
     store = open_store(f"{scheme}://127.0.0.1:{hostile.port}?timeout=0.05&retry_interval=0", NS)
     try:
         t0 = time.monotonic()
