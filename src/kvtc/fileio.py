@@ -110,4 +110,8 @@ def read_blob(path: str | os.PathLike[str]) -> bytes:
             raise FormatError(
                 f"{path}: the file holds {size} bytes, its header accounts for {need} (truncated or extended)"
             )
-        return head + f.read()
+        f.seek(0)  # one read of the whole file: no second copy of a body that may be gigabytes
+        data = f.read(size + 1)
+        if len(data) != size:
+            raise FormatError(f"{path} changed size while being read; read it again")
+        return data
