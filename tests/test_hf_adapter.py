@@ -128,12 +128,30 @@ def test_generate_continues_from_a_rebuilt_cache(name, models):
     assert torch.equal(got, want)
 
 
-def test_sliding_layers_that_dropped_tokens_are_refused():
+def test_sliding_layers_hold_only_their_window_and_rebuild_exactly():
+    """The model's own cache (sliding layers keep their newest 3 tokens) is extracted as it is and rebuilt to an
+    identical cache; a config-less cache (every token kept) gives the same slice."""
     model = AutoModelForCausalLM.from_config(gemma3_small_window(), dtype=torch.float32).eval()
+    torch.manual_seed(0)
     _, cache = prefill(model, tokens=10)  # window 4: sliding layers keep the last 3 tokens only
     assert cache.layers[0].keys.shape[2] == 3
-    with pytest.raises(LayoutError, match="sliding-window layer 0 keeps only the last 3 of 10"):
-        extract_slice(cache, model)
+    kv = extract_slice(cache, model)
+    assert kv.num_tokens == 10 and kv.layout.max_tokens == (3, 0, 3, 0)
+    assert not kv.keys[:, :7, [0, 2]].any() and not kv.values[:, :7, [0, 2]].any()
+    assert kv.values[:, 7:, 0].transpose(1, 2).equal(cache.layers[0].values)
+    torch.manual_seed(0)  # the same tokens
+    _, full_history = prefill(model, tokens=10, cache=DynamicCache())
+    same = extract_slice(full_history, model)
+    assert torch.allclose(same.keys, kv.keys, atol=1e-5) and torch.allclose(same.values, kv.values, atol=1e-5)
+    rebuilt = rebuild_cache(kv, model)
+    for li in range(4):
+        assert rel_err(rebuilt.layers[li].keys, cache.layers[li].keys) <= 1e-5
+        assert rebuilt.layers[li].values.equal(cache.layers[li].values)
+    assert rebuilt.layers[0].cumulative_length == cache.layers[0].cumulative_length == 10
+    token = torch.randint(3, model.config.vocab_size, (2, 1))
+    assert rel_err(next_logits(model, rebuilt, token), next_logits(model, cache, token)) <= LOGIT_TOL
+    every = extract_slice(full_history, model, every_token=True)  # calibration rows: all tokens of all layers
+    assert every.layout.max_tokens == () and every.keys[:, :7, 0].abs().sum() > 0
 
 
 def test_sliding_model_with_full_history_cache_rebuilds_to_a_windowed_cache():

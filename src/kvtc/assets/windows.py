@@ -23,6 +23,9 @@ def token_windows(
     documents round-robin in a seeded order, at seeded offsets, never overlapping); otherwise windows
     are cut from the documents concatenated with the EOS token between them. Same inputs and seed give
     the same windows. :func:`iter_token_windows` yields them one by one.
+
+    A window starts the way the model is run: with the tokens the tokenizer puts before a text (Gemma's BOS;
+    none for SmolLM2), followed by ``length`` minus that many tokens of text (:func:`leading_ids`).
     """
     return torch.stack(list(iter_token_windows(tokenizer, texts, length, count, seed)))
 
@@ -37,6 +40,28 @@ def iter_token_windows(
     validation runs at the call, before the first window is yielded."""
     if length <= 0 or count <= 0:
         raise KVTCError(f"token_windows(): length and count must be positive, got {length=} {count=}")
+    lead = leading_ids(tokenizer)
+    if lead:
+        if length <= len(lead):
+            raise KVTCError(f"token_windows(): length {length} leaves no room after the leading tokens {lead}")
+        body = _iter_windows(tokenizer, texts, length - len(lead), count, seed)
+        prefix = torch.tensor(lead, dtype=torch.long)
+        return (torch.cat([prefix, w]) for w in body)
+    return _iter_windows(tokenizer, texts, length, count, seed)
+
+
+def leading_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token ids the tokenizer puts before any text (a BOS token for Gemma, Llama 3; none for SmolLM2)."""
+    full = tokenizer("x", verbose=False)["input_ids"]
+    bare = tokenizer("x", add_special_tokens=False, verbose=False)["input_ids"]
+    n = len(full) - len(bare)
+    return [int(t) for t in full[:n]] if n > 0 and full[n:] == bare else []
+
+
+def _iter_windows(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], length: int, count: int, seed: int
+) -> Iterator[torch.Tensor]:
+    """Windows of ``length`` text tokens (no leading tokens)."""
 
     def encode(text: str) -> list[int]:
         # Whole documents are longer than the model's context by design; only windows reach the model.

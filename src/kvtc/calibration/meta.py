@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from typing import Any
 
 from ..errors import CalibrationError
-from ..layout import DTYPES, PCAGrouping
+from ..layout import DTYPES, MAX_TOKENS, PCAGrouping
 from ..quant import TYPE_NAMES
 
 #: what a calibration may declare (the largest served models are far below these)
@@ -100,8 +101,8 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
         if not isinstance(meta["rope"], dict):
             raise CalibrationError(f"{where} 'rope' must be an object or null; the file is corrupt")
         _bounded_depth(meta["rope"], f"{where} 'rope'")
-    layers, heads, head_dim = _layout(meta.get("layout"), f"{where} 'layout'")
-    groups, width = _groups(meta.get("grouping"), layers, heads, head_dim, f"{where} 'grouping'")
+    limits, heads, head_dim = _layout(meta.get("layout"), f"{where} 'layout'")
+    groups, width = _groups(meta.get("grouping"), limits, heads, head_dim, f"{where} 'grouping'")
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
 
@@ -152,9 +153,13 @@ def _bounded_depth(x: Any, what: str) -> None:
             stack.extend((w, depth + 1) for w in v)
 
 
-def _layout(d: Any, what: str) -> tuple[int, int, int]:
-    if not isinstance(d, dict) or set(d) != {"layers", "num_kv_heads", "head_dim", "heads", "dtype"}:
-        raise CalibrationError(f"{what} must be an object with layers, num_kv_heads, head_dim, heads and dtype")
+def _layout(d: Any, what: str) -> tuple[list[int], int, int]:
+    """Validates a layout description; returns each layer's ``max_tokens`` (0: every token), heads, head_dim."""
+    fields = {"layers", "num_kv_heads", "head_dim", "heads", "dtype"}
+    if not isinstance(d, dict) or not fields <= set(d) or not set(d) <= fields | {"max_tokens"}:
+        raise CalibrationError(
+            f"{what} must be an object with layers, num_kv_heads, head_dim, heads and dtype (and max_tokens)"
+        )
     layers = _list(d["layers"], f"{what} 'layers'", MAX_LAYERS)
     prev = -1
     for i in layers:
@@ -172,24 +177,39 @@ def _layout(d: Any, what: str) -> tuple[int, int, int]:
             f"{what} declares {len(layers)} layers x {len(heads)} heads x {head_dim}: "
             f"none, or more than {MAX_FEATURES} features; the file is corrupt"
         )
-    return len(layers), len(heads), head_dim
+    limits = [0] * len(layers)
+    if "max_tokens" in d:
+        limits = _list(d["max_tokens"], f"{what} 'max_tokens'", len(layers))
+        if len(limits) != len(layers):
+            raise CalibrationError(f"{what} 'max_tokens' needs one entry per layer; the file is corrupt")
+        for x in limits:
+            _int(x, f"{what} 'max_tokens' entries", 0, MAX_TOKENS)
+    return limits, len(heads), head_dim
 
 
-def _groups(d: Any, layers: int, heads: int, head_dim: int, what: str) -> tuple[int, int]:
-    """The number of PCA groups the grouping implies and the widest group's feature count."""
+def _groups(d: Any, limits: list[int], heads: int, head_dim: int, what: str) -> tuple[int, int]:
+    """The number of PCA groups the grouping implies and the widest group's feature count
+    (:meth:`~kvtc.layout.PCAGrouping.groups`, counted without building them: no group mixes layers of different
+    ``max_tokens``)."""
     if not isinstance(d, dict) or not set(d) <= {"kind", "size"}:
         raise CalibrationError(f"{what} must be an object with kind and size")
     kind = d.get("kind", "global")
     if not isinstance(kind, str) or kind not in PCAGrouping.KINDS:
         raise CalibrationError(f"{what} 'kind' must be one of {PCAGrouping.KINDS}, got {_show(kind)}")
     size = _int(d.get("size", 1), f"{what} 'size'", 1, MAX_LAYERS * MAX_KV_HEADS)
+    per_span = Counter(limits)
     if kind == "global":
-        return 1, layers * heads * head_dim
+        return len(per_span), max(per_span.values()) * heads * head_dim
     if kind == "layers":
-        return -(-layers // size), min(size, layers) * heads * head_dim
+        groups, widest, run = 0, 0, 0
+        for i, limit in enumerate(limits):
+            if run and (run == size or limits[i - 1] != limit):
+                groups, widest, run = groups + 1, max(widest, run), 0
+            run += 1
+        return groups + 1, max(widest, run) * heads * head_dim
     if heads % size:
         raise CalibrationError(f"{what}: {heads} heads cannot be split into {size} shards; the file is corrupt")
-    return size, layers * (heads // size) * head_dim
+    return len(per_span) * size, max(per_span.values()) * (heads // size) * head_dim
 
 
 def _per_group(x: Any, groups: int, what: str) -> list[Any]:

@@ -26,7 +26,7 @@ from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
 from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
-from . import container
+from . import container, info, spans
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
@@ -93,12 +93,6 @@ class Codec:
         """Stores every token raw in the container (debugging, lossless reference paths)."""
         return cls(None, None, backend=backend, **kw)
 
-    def _split(self, t: torch.Tensor, s: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T, ...]`` -> (protected ``[B, s+w, ...]``, middle ``[B, T-s-w, ...]``)."""
-        T = t.shape[1]
-        prot = torch.cat([t[:, :s], t[:, T - w :]], dim=1) if w else t[:, :s]
-        return prot, t[:, s : T - w]
-
     # ------------------------------------------------------------------ encode
     def encode(self, kv: KVSlice, timings: dict[str, float] | None = None, out: Any = None) -> Any:
         """Compress a slice (keys pre-RoPE) to a self-describing blob (``bytes``).
@@ -133,19 +127,23 @@ class Codec:
             ratio=self.ratio,
             packing=self.packing,
         )
-        s, w = header.protected
+        container.check_sparsity(header)
         payloads: list[tuple[str, Any]] = [("positions", le_bytes(kv.positions))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
-            prot, _ = self._split(t, s, w)
+            prot = spans.protected(t, header)
             payloads.append((f"raw.{kind}", device_bytes(prot) if self._on_fused_device(prot) else le_bytes(prot)))
         if self.calibration is not None and header.middle_tokens:
+            middles = spans.group_middles(header, self.calibration.grouping)
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
-                _, mid = self._split(t, s, w)
-                with clock("to_rows"):
-                    rows = mid.reshape(-1, lay.num_features).to(self.device)
-                    if not (self._fused and self.precision in ("bf16", "fp8")):
-                        rows = rows.float()
-                payloads.extend(self._encode_rows(kind, rows, clock))
+                rows: dict[tuple[int, int], torch.Tensor] = {}
+                for start, m in dict.fromkeys(middles):
+                    if m:
+                        with clock("to_rows"):
+                            r = spans.middle_view(t, start, m).reshape(-1, lay.num_features).to(self.device)
+                            if not (self._fused and self.precision in ("bf16", "fp8")):
+                                r = r.float()
+                        rows[(start, m)] = r
+                payloads.extend(self._encode_rows(kind, [rows.get(x) for x in middles], clock))
         with clock("entropy"):
             payloads = self._host_payloads(payloads, clock)
             return container.write(header, payloads, self.backend, timings, out)
@@ -173,10 +171,14 @@ class Codec:
                     out[i] = (payloads[i][0], host_bytes(payloads[i][1]))
         return out
 
-    def _encode_rows(self, kind: str, rows: torch.Tensor, clock: Clock) -> list[tuple[str, Any]]:
+    def _encode_rows(self, kind: str, group_rows: list[torch.Tensor | None], clock: Clock) -> list[tuple[str, Any]]:
+        """Sections of each PCA group from the rows ``[n, features]`` of its tokens (None: it codes none)."""
         out = []
         cols_all = self.calibration.columns  # type: ignore[union-attr]
         for g, pl in enumerate(self._plans[kind]):
+            rows = group_rows[g]
+            if rows is None:
+                continue
             with clock("project"):
                 x = rows if len(cols_all) == 1 else rows[:, cols_all[g].to(rows.device)]
                 coeffs = self._transform.project(kind, g, x, pl.components)  # type: ignore[union-attr]
@@ -214,18 +216,16 @@ class Codec:
         return header, container.read_sections(blob, header, body, expected)
 
     def _expected_sections(self, h: container.Header) -> dict[str, int]:
-        lay = h.layout
-        esize = torch.empty((), dtype=DTYPES[lay.dtype]).element_size()
-        s, w = h.protected
         exp = {"positions": 8 * h.batch * h.tokens}
         for kind in KINDS:
-            exp[f"raw.{kind}"] = h.batch * (s + w) * lay.num_features * esize
+            exp[f"raw.{kind}"] = spans.raw_bytes(h)
         if h.mode == "kvtc" and h.middle_tokens:
-            n = h.batch * h.middle_tokens
+            middles = spans.group_middles(h, self.calibration.grouping)  # type: ignore[union-attr]
             plans = {kind: [PlanLayout.build(p) for p in self.calibration.plans[h.ratio][kind]] for kind in KINDS}  # type: ignore[union-attr,index]
             for kind in KINDS:
                 for g, pl in enumerate(plans[kind]):
-                    exp.update(pl.section_sizes(f"{kind}.{g}", n, h.packing))
+                    if middles[g][1]:
+                        exp.update(pl.section_sizes(f"{kind}.{g}", h.batch * middles[g][1], h.packing))
         return exp
 
     def decode(
@@ -249,7 +249,13 @@ class Codec:
         shape = (B, T, len(lay.layers), len(lay.heads), lay.head_dim)
         positions = section_tensor(secs["positions"], torch.int64, (B, T), out_dev)
         out = {}
-        for kind in KINDS:
+        if len(header.spans) > 1 or header.spans[0][1] > 0:  # some layers hold only their newest tokens
+            for kind in KINDS:
+                out[kind] = self._decode_spans(kind, header, secs, clock, out_dev)
+            kinds: tuple[str, ...] = ()
+        else:
+            kinds = KINDS
+        for kind in kinds:
             prot = section_tensor(secs[f"raw.{kind}"], dt, (B, s + w, *shape[2:]), out_dev)
             full = torch.empty(shape, dtype=dt, device=out_dev)
             full[:, :s] = prot[:, :s]
@@ -278,8 +284,32 @@ class Codec:
                 check()
         return KVSlice(lay, out["keys"], out["values"], positions, header.model_id)
 
+    def _decode_spans(
+        self, kind: str, header: container.Header, secs: dict[str, Any], clock: Clock, out_dev: torch.device
+    ) -> torch.Tensor:
+        """``[B, T, L, H, D]`` of one kind when layers hold different tokens: zero where a layer holds none."""
+        lay = header.layout
+        B, T = header.batch, header.tokens
+        dt = DTYPES[lay.dtype]
+        full = torch.zeros((B, T, len(lay.layers), len(lay.heads), lay.head_dim), dtype=dt, device=out_dev)
+        esize = full.element_size()
+        prot = section_tensor(secs[f"raw.{kind}"], dt, (spans.raw_bytes(header) // esize,), out_dev)
+        spans.fill_protected(full, spans.raw_blocks(prot, header), header)
+        if header.mode != "kvtc" or not header.middle_tokens:
+            return full
+        cols = self.calibration.columns  # type: ignore[union-attr]
+        for g, (start, m) in enumerate(spans.group_middles(header, self.calibration.grouping)):  # type: ignore[union-attr]
+            if not m:
+                continue
+            coeffs, pl = self._coefficients(kind, g, header, secs, clock, B * m)
+            with clock("project"):
+                x = self._transform.reconstruct(kind, g, coeffs, pl.components, None)  # type: ignore[union-attr]
+            with clock("to_tokens"):
+                spans.middle_view(full, start, m)[:, :, cols[g].to(out_dev)] = x.to(dt).to(out_dev).view(B, m, -1)
+        return full
+
     def _coefficients(
-        self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock
+        self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock, n: int | None = None
     ) -> tuple[torch.Tensor, PlanLayout]:
         pl = PlanLayout.build(self.calibration.plans[header.ratio][kind][g])  # type: ignore[union-attr,index]
         tr = self._transform
@@ -287,7 +317,7 @@ class Codec:
             f"{kind}.{g}",
             secs,
             pl,
-            header.batch * header.middle_tokens,
+            header.batch * header.middle_tokens if n is None else n,
             header.packing,
             clock,
             tr.coefficient_dtype,
@@ -324,86 +354,62 @@ class Codec:
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(real layer index, keys, values)`` with keys/values ``[B, T, heads, head_dim]`` on ``device``
         (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
-        layer's basis columns only."""
+        layer's basis columns only. A sliding-window layer's tokens older than those it holds are zero."""
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
         header, secs = self._open(blob, on_device=True)
         lay = header.layout
         B, T = header.batch, header.tokens
-        s, w = header.protected
         dt = DTYPES[lay.dtype]
         hd = (len(lay.heads), lay.head_dim)
-        prot = {k: section_tensor(secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd), out_dev) for k in KINDS}
-        coeffs: dict[str, list[tuple[torch.Tensor, PlanLayout]]] = {}
+        esize = torch.empty((), dtype=dt).element_size()
+        flat = {k: section_tensor(secs[f"raw.{k}"], dt, (spans.raw_bytes(header) // esize,), out_dev) for k in KINDS}
+        blocks = {k: spans.raw_blocks(flat[k], header) for k in KINDS}
+        if len(header.spans) == 1:  # the one raw block, shaped
+            s, w = header.spans[0][2:4]
+            blocks = {k: [flat[k].view(B, s + w, len(lay.layers), *hd)] for k in KINDS}
+        span_index = {sp: i for i, (sp, *_) in enumerate(header.spans)}
+        coeffs: dict[str, list[tuple[torch.Tensor, PlanLayout] | None]] = {}
         col_index: list[dict[int, int]] = []
-        if header.middle_tokens:
+        if header.mode == "kvtc" and header.middle_tokens:
             clock = stage_clock(None)
-            ngroups = len(self.calibration.columns)  # type: ignore[union-attr]
-            coeffs = {k: [self._coefficients(k, g, header, secs, clock) for g in range(ngroups)] for k in KINDS}
+            middles = spans.group_middles(header, self.calibration.grouping)  # type: ignore[union-attr]
+            coeffs = {
+                k: [
+                    self._coefficients(k, g, header, secs, clock, B * m) if m else None
+                    for g, (_, m) in enumerate(middles)
+                ]
+                for k in KINDS
+            }
             col_index = [{c: i for i, c in enumerate(cols.tolist())} for cols in self.calibration.columns]  # type: ignore[union-attr]
-        for li, layer in enumerate(lay.layers):
+        for li, (sp, j, first, s, w, m) in enumerate(spans.per_layer(header)):
+            layer = lay.layers[li]
             out = []
             for kind in KINDS:
-                full = torch.empty((B, T, *hd), dtype=dt, device=out_dev)
-                full[:, :s] = prot[kind][:, :s, li]
-                full[:, T - w :] = prot[kind][:, s:, li]
-                if header.middle_tokens:
-                    x = torch.empty((B * header.middle_tokens, hd[0] * hd[1]), dtype=torch.float32, device=self.device)
+                prot = blocks[kind][span_index[sp]]
+                full = (torch.zeros if first else torch.empty)((B, T, *hd), dtype=dt, device=out_dev)
+                full[:, first : first + s] = prot[:, :s, j]
+                full[:, T - w :] = prot[:, s:, j]
+                if m and coeffs:
+                    x = torch.empty((B * m, hd[0] * hd[1]), dtype=torch.float32, device=self.device)
                     lcols = [c for h in lay.heads for c in lay.pair_columns(layer, h)]
-                    for g, (c, pl) in enumerate(coeffs[kind]):
-                        idx = [(j, col_index[g][col]) for j, col in enumerate(lcols) if col in col_index[g]]
-                        if not idx:
+                    for g, entry in enumerate(coeffs[kind]):
+                        idx = [(a, col_index[g][col]) for a, col in enumerate(lcols) if col in col_index[g]]
+                        if not idx or entry is None:
                             continue
+                        c, pl = entry
                         dst = torch.tensor([a for a, _ in idx], device=self.device)
                         src = torch.tensor([b for _, b in idx], device=self.device)
                         x[:, dst] = self._transform.reconstruct_columns(kind, g, c, pl.components, src).to(x.dtype)  # type: ignore[union-attr]
-                    full[:, s : T - w] = x.to(dt).to(out_dev).reshape(B, header.middle_tokens, *hd)
+                    full[:, first + s : T - w] = x.to(dt).to(out_dev).reshape(B, m, *hd)
                 out.append(full)
             yield layer, out[0], out[1]
 
     # ------------------------------------------------------------------ inspect
     @staticmethod
     def inspect(blob: bytes | memoryview | torch.Tensor) -> dict[str, Any]:
-        """Header facts and sizes of a blob, without decoding it (needs no calibration)."""
-        if isinstance(blob, torch.Tensor):
-            if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
-                raise FormatError("a tensor blob must be a 1-D uint8 CPU tensor (e.g. pinned host memory)")
-            blob = memoryview(blob.contiguous().numpy())
-        header, body = container.read_header(blob)
-        lay = header.layout
-        esize = torch.empty((), dtype=DTYPES[lay.dtype]).element_size()
-        s, w = header.protected
-        B, T, N = header.batch, header.tokens, header.middle_tokens
-        per_token = 2 * lay.num_features * esize
-        raw_secs = [x for x in header.sections if x.name.startswith("raw.")]
-        coded = [x for x in header.sections if not x.name.startswith("raw.")]
-        overhead = body  # prefix + header
-        mid_orig = B * N * per_token
-        mid_before = overhead + sum(x.raw for x in coded)
-        mid_after = overhead + sum(x.coded for x in coded)
-        return {
-            "mode": header.mode,
-            "calibration": header.calibration,
-            "model_id": header.model_id,
-            "layout": lay.to_dict(),
-            "batch": B,
-            "tokens": T,
-            "sinks": s,
-            "window": w,
-            "middle_tokens": N,
-            "target_ratio": header.ratio,
-            "packing": header.packing,
-            "bytes": len(blob),
-            "header_bytes": overhead,
-            "original_bytes": B * T * per_token,
-            "whole_cache_ratio": B * T * per_token / len(blob),
-            "codec_ratio_before_entropy": mid_orig / mid_before if N else None,
-            "codec_ratio": mid_orig / mid_after if N else None,
-            "bytes_per_middle_token": mid_after / (B * N) if N else None,
-            "raw_bytes": sum(x.coded for x in raw_secs),
-            "sections": [
-                {"name": x.name, "backend": x.backend, "raw": x.raw, "coded": x.coded} for x in header.sections
-            ],
-        }
+        """Header facts and sizes of a blob, without decoding it (needs no calibration): see
+        :func:`kvtc.codec.info.inspect`."""
+        return info.inspect(blob)
 
 
 __all__ = ["CODED_TYPES", "DEFAULT_SINKS", "DEFAULT_WINDOW", "DIRECT_MIN_TOKENS", "Codec"]

@@ -1,9 +1,9 @@
-"""Container format v1: the bytes of one compressed KV slice (specified in docs/FORMAT.md).
+"""Container format v2: the bytes of one compressed KV slice (specified in docs/FORMAT.md).
 
 ```
 offset  size  field
 0       4     magic b"KVTC"
-4       2     format version, u16 little-endian (1)
+4       2     format version, u16 little-endian (1 or 2)
 6       2     flags, u16 (0; any other value is refused)
 8       4     header length H, u32 LE (16 <= H <= MAX_HEADER_BYTES)
 12      4     CRC-32 of the header bytes, u32 LE
@@ -14,6 +14,10 @@ offset  size  field
 The parser checks magic, version, flags and the header CRC before it parses JSON, validates every header
 field's type and range, bounds every declared size by the token counts and the layout before anything is
 allocated, and checks each section's CRC-32 before its bytes are decoded. It never executes anything.
+
+Version 2 adds per-layer held-token counts (``layout.max_tokens``: sliding-window layers hold only their newest
+tokens, and only those are stored). A slice whose layers all hold every token is written as version 1, byte for
+byte what earlier releases wrote, so they keep reading it; a reader of version 1 only refuses version 2.
 """
 
 from __future__ import annotations
@@ -29,19 +33,20 @@ import numpy as np
 import torch
 
 from ..errors import FormatError, LayoutError, OutputBufferError
-from ..layout import KVLayout
+from ..layout import MAX_TOKENS, KVLayout, Span
 from .buffers import Parts
 from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
 from .entropy import EntropyCoder, decode_stream, encode_stream
 from .packing import PACKINGS
 
 MAGIC = b"KVTC"
-VERSION = 1
+VERSION = 2
+#: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts)
+VERSIONS = (1, 2)
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 #: absolute caps on what a header may declare (a blob is one slice of one conversation batch)
 MAX_BATCH = 1 << 12
-MAX_TOKENS = 1 << 22
 MAX_SECTIONS = 4096
 MAX_TOTAL_RAW_BYTES = 1 << 36
 MAX_KV_HEADS = 1 << 12  # served models have at most a few hundred KV heads
@@ -55,6 +60,9 @@ IDENTITY_EXPANSION = 64
 #: kvtc blobs: decoded bytes per stored byte may reach the plan's ratio times the entropy coder's gain
 #: (measured 1.2x) and the raw sections; this many times the ratio is refused as no honest blob
 KVTC_EXPANSION_PER_RATIO = 4
+#: a decode allocates every layer for every token, zero where a sliding layer holds none: at most this many times
+#: the bytes the layers hold (a longer sequence over short windows needs its layers decoded separately)
+MAX_HELD_SPARSITY = 64
 _ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -84,16 +92,37 @@ class Header:
     sections: list[Section] = field(default_factory=list)
 
     @property
+    def version(self) -> int:
+        """The container version this header is written as (2 only when some layer holds fewer tokens)."""
+        return 2 if self.layout.max_tokens else 1
+
+    @property
+    def spans(self) -> list[tuple[Span, int, int, int, int]]:
+        """``(span, first, sinks, window, middle)`` per :attr:`KVLayout.spans`: the first token those layers hold,
+        how many of the held tokens are stored raw as sinks and as the recent window, and how many are coded."""
+        out = []
+        for sp in self.layout.spans:
+            first, s, w = sp.protected(self.tokens, self.sinks, self.window)
+            out.append((sp, first, s, w, sp.held(self.tokens) - s - w))
+        return out
+
+    @property
     def protected(self) -> tuple[int, int]:
-        """(sinks, window) actually stored raw per sequence, given the token count."""
+        """(sinks, window) stored raw per sequence by layers that hold every token."""
         s = min(self.sinks, self.tokens)
         w = min(self.window, self.tokens - s)
         return s, w
 
     @property
     def middle_tokens(self) -> int:
-        s, w = self.protected
-        return self.tokens - s - w
+        """The most coded tokens of any layer (0: the blob stores every held token raw)."""
+        return max(m for *_, m in self.spans)
+
+    def held_bytes(self) -> int:
+        """Bytes of the keys and values the layers hold, in the layout's dtype."""
+        lay = self.layout
+        held = sum(sp.held(self.tokens) * len(sp.indices) for sp in lay.spans)
+        return 2 * self.batch * held * len(lay.heads) * lay.head_dim * _ESIZE.get(lay.dtype, 4)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,7 +174,7 @@ def write(
     hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
     if len(hdr) > MAX_HEADER_BYTES:
         raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
-    parts = [PREFIX.pack(MAGIC, VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies]
+    parts = [PREFIX.pack(MAGIC, header.version, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies]
     blob = b"".join(parts) if out is None else write_into(out, parts)
     if timings is not None:
         timings.update(
@@ -204,9 +233,10 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     magic, version, flags, hlen, hcrc = PREFIX.unpack_from(blob, 0)
     if magic != MAGIC:
         raise FormatError("not a kvtc blob (bad magic); was it written by kvtc?")
-    if version != VERSION:
+    if version not in VERSIONS:
         raise FormatError(
-            f"kvtc container version {version} is not supported (this kvtc reads {VERSION}); upgrade kvtc"
+            f"kvtc container version {version} is not supported (this kvtc reads {', '.join(map(str, VERSIONS))}); "
+            "upgrade kvtc"
         )
     if flags != 0:
         raise FormatError(f"unknown container flags {flags:#x}; the blob is corrupt or from a newer kvtc")
@@ -222,6 +252,11 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError("container header is not valid JSON; the blob is corrupt") from None
     header = _parse_header(d)
+    if header.version != version:
+        raise FormatError(
+            f"container version {version} with a layout that {'lacks' if version == 2 else 'has'} per-layer held-token "
+            "counts (version 2 carries them, version 1 never does); the blob is corrupt"
+        )
     body = PREFIX.size + hlen
     total = sum(s.coded for s in header.sections)
     if not partial and body + total != len(blob):
@@ -233,9 +268,26 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
 def decoded_bytes(header: Header) -> int:
     """Bytes a decode of ``header`` allocates for its results and staged streams: the keys and values of
     every token in the layout's dtype, the positions, and every section's decoded stream."""
+    return decoded_output_bytes(header) + 8 * header.batch * header.tokens + sum(s.raw for s in header.sections)
+
+
+def decoded_output_bytes(header: Header) -> int:
+    """Bytes of the decoded keys and values: every layer for every token, in the layout's dtype."""
     lay = header.layout
-    out = 2 * header.batch * header.tokens * lay.num_features * _ESIZE.get(lay.dtype, 4)
-    return out + 8 * header.batch * header.tokens + sum(s.raw for s in header.sections)
+    return 2 * header.batch * header.tokens * lay.num_features * _ESIZE.get(lay.dtype, 4)
+
+
+def check_sparsity(header: Header) -> int:
+    """Refuse a slice whose sliding-window layers hold under 1/:data:`MAX_HELD_SPARSITY` of its tokens (a decode
+    allocates every layer for every token). Returns the bytes the layers hold."""
+    held = header.held_bytes()
+    dense = decoded_output_bytes(header)
+    if header.layout.max_tokens and dense > MAX_HELD_SPARSITY * held:
+        raise LayoutError(
+            f"the sliding-window layers hold under 1/{MAX_HELD_SPARSITY} of the {header.tokens} tokens, and a decode "
+            "allocates every layer for every token; encode the newest tokens only (shorter slices)"
+        )
+    return held
 
 
 def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> int:
@@ -249,6 +301,12 @@ def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT
             f"blob declares {need} decoded bytes ({header.batch}x{header.tokens} tokens), above this codec's "
             f"max_decoded_bytes={max_decoded_bytes}; raise max_decoded_bytes if the blob is trusted"
         )
+    try:
+        held = check_sparsity(header)
+    except LayoutError as e:
+        raise FormatError(f"{e}; the blob is corrupt or hostile") from None
+    # what the blob honestly encodes: the tokens its layers hold (the rest of the output is zeros)
+    need = held + (need - decoded_output_bytes(header))
     if header.mode == "kvtc":
         try:
             ratio = float(header.ratio or "")

@@ -77,15 +77,22 @@ class Method:
         keys = kv.keys
         if self.post_rope:
             keys = rope.apply(keys, kv.positions, kv.layout.layers)
-        k = keys[:, start:stop].clone()
-        v = kv.values[:, start:stop].clone()
-        k2, v2, nbytes = self.roundtrip(k, v)
         new_k = keys.clone()
-        new_k[:, start:stop] = k2.to(keys.dtype)
+        new_v = kv.values.clone()
+        nbytes = 0.0
+        # each set of layers holding the same tokens compresses the tokens of [start, stop) it holds
+        for a, idx in coded_ranges(kv, start, stop):
+            if idx is None:
+                k2, v2, nb = self.roundtrip(keys[:, a:stop].clone(), kv.values[:, a:stop].clone())
+                new_k[:, a:stop] = k2.to(keys.dtype)
+                new_v[:, a:stop] = v2.to(kv.values.dtype)
+            else:
+                k2, v2, nb = self.roundtrip(keys[:, a:stop, idx], kv.values[:, a:stop, idx])
+                new_k[:, a:stop, idx] = k2.to(keys.dtype)
+                new_v[:, a:stop, idx] = v2.to(kv.values.dtype)
+            nbytes += nb
         if self.post_rope:
             new_k = rope.invert(new_k, kv.positions, kv.layout.layers)
-        new_v = kv.values.clone()
-        new_v[:, start:stop] = v2.to(kv.values.dtype)
         return Result(KVSlice(kv.layout, new_k, new_v, kv.positions, kv.model_id), nbytes)
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -93,9 +100,26 @@ class Method:
         raise NotImplementedError
 
 
-def reference_bytes(kv: KVSlice, tokens: int) -> float:
-    """Bytes of ``tokens`` tokens of K and V in 16 bits."""
-    return 2.0 * kv.batch * tokens * kv.layout.num_features * REFERENCE_BYTES
+def coded_ranges(kv: KVSlice, start: int, stop: int) -> list[tuple[int, torch.Tensor | None]]:
+    """Per set of layers holding the same tokens (:attr:`~kvtc.layout.KVLayout.spans`): the first token of
+    ``[start, stop)`` they hold and their layer positions (``None``: every layer)."""
+    lay, T = kv.layout, kv.num_tokens
+    out: list[tuple[int, torch.Tensor | None]] = []
+    for sp in lay.spans:
+        a = max(start, T - sp.held(T))
+        if a < stop:
+            every = len(sp.indices) == len(lay.layers)
+            out.append((a, None if every else torch.tensor(sp.indices, device=kv.keys.device)))
+    return out
+
+
+def reference_bytes(kv: KVSlice, start: int, stop: int) -> float:
+    """Bytes in 16 bits of the K and V that the layers hold among tokens ``[start, stop)`` (a sliding-window
+    layer holds only its newest tokens)."""
+    lay, T = kv.layout, kv.num_tokens
+    per_layer = len(lay.heads) * lay.head_dim
+    tokens = sum(max(stop - max(start, T - sp.held(T)), 0) * len(sp.indices) for sp in lay.spans)
+    return 2.0 * kv.batch * tokens * per_layer * REFERENCE_BYTES
 
 
 class KVTC(Method):
@@ -149,13 +173,11 @@ class KVTC(Method):
         with self.timer("decode"):
             out = codec.decode(blob)
         facts = Codec.inspect(blob)
-        n = kv.batch * facts["middle_tokens"]
-        # inspect measures ratios against the stored dtype; the reference here is 16-bit
-        esize = stored.keys.element_size()
-        coded = facts["bytes_per_middle_token"] * n
-        raw = (
-            reference_bytes(kv, facts["middle_tokens"]) * esize / REFERENCE_BYTES / facts["codec_ratio_before_entropy"]
-        )
+        # every byte of the blob but the raw sinks and window; before entropy coding, the same ratio to the
+        # middle tokens' bytes as inspect reports (it measures against the stored dtype, the reference is 16-bit)
+        coded = facts["coded_bytes"]
+        before = facts["codec_ratio_before_entropy"]
+        raw = facts["middle_bytes"] / before if before else 0.0
         keys = out.keys.to(kv.keys)
         values = out.values.to(kv.values)
         return Result(
@@ -280,4 +302,4 @@ class Eviction(Method):
         kept = int(n // self.ratio)
         keep = torch.ones(kv.batch, kv.num_tokens, dtype=torch.bool, device=kv.keys.device)
         keep[:, start : stop - kept] = False
-        return Result(kv, reference_bytes(kv, kept), keep=keep)
+        return Result(kv, reference_bytes(kv, stop - kept, stop), keep=keep)

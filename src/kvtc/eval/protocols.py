@@ -49,6 +49,9 @@ class Tally:
     #: per kind ("keys", "values"): summed squared reconstruction error and squared norm of the exact KV
     sq_error: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     sq_norm: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    #: the same per kind of layer, ``"{kind}.full"`` / ``"{kind}.sliding"``, when the model has both
+    sq_error_type: dict[str, float] = field(default_factory=dict)
+    sq_norm_type: dict[str, float] = field(default_factory=dict)
     #: bytes stored, bytes before entropy coding, bytes of the 16-bit reference cache
     bytes: float = 0.0
     bytes_raw: float = 0.0
@@ -67,19 +70,29 @@ class Tally:
         self.kl += float((exact_logp.exp() * (exact_logp - lossy_logp)).sum())
         self.agree += int((exact_logp.argmax(-1) == lossy_logp.argmax(-1)).sum())
 
-    def add_bytes(self, kv: KVSlice, tokens: int, stored: float, raw: float | None) -> None:
+    def add_bytes(self, kv: KVSlice, start: int, stop: int, stored: float, raw: float | None) -> None:
+        """``stored`` bytes for the compressed tokens ``[start, stop)`` of ``kv`` (those its layers hold)."""
         self.bytes += stored
-        self.bytes_ref += reference_bytes(kv, tokens)
+        self.bytes_ref += reference_bytes(kv, start, stop)
         if raw is not None:
             self.has_raw = True
             self.bytes_raw += raw
 
     def add_error(self, exact: KVSlice, lossy: KVSlice, start: int, stop: int) -> None:
+        spans = exact.layout.spans
         for kind in KINDS:
             a = getattr(exact, kind)[:, start:stop].double()
             b = getattr(lossy, kind)[:, start:stop].double()
-            self.sq_error[kind] += float((a - b).square().sum())
-            self.sq_norm[kind] += float(a.square().sum())
+            err = (a - b).square().sum(dim=(0, 1, 3, 4))  # per layer; tokens a layer does not hold are 0 in both
+            norm = a.square().sum(dim=(0, 1, 3, 4))
+            self.sq_error[kind] += float(err.sum())
+            self.sq_norm[kind] += float(norm.sum())
+            if len(spans) > 1:
+                for sp in spans:
+                    key = f"{kind}.{'sliding' if sp.limit else 'full'}"
+                    idx = list(sp.indices)
+                    self.sq_error_type[key] = self.sq_error_type.get(key, 0.0) + float(err[idx].sum())
+                    self.sq_norm_type[key] = self.sq_norm_type.get(key, 0.0) + float(norm[idx].sum())
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -100,6 +113,9 @@ class Tally:
             if self.has_error and self.sq_norm["keys"]:
                 for kind in KINDS:
                     out[f"{kind[0]}_rel_error"] = (self.sq_error[kind] / self.sq_norm[kind]) ** 0.5
+                for key, norm in sorted(self.sq_norm_type.items()):
+                    kind, layers = key.split(".")
+                    out[f"{kind[0]}_rel_error_{layers}"] = (self.sq_error_type[key] / max(norm, 1e-300)) ** 0.5
         if self.prompts:
             out.update(
                 prompts=self.prompts,
@@ -152,7 +168,7 @@ def storage_roundtrip(
             lossy = _logp(model, cont, lossy_cache, attention_mask(res.keep, cont.numel()))
             t = tallies[m.label]
             t.add_scores(exact, lossy, targets)
-            t.add_bytes(kv, context - window - sinks, res.bytes, res.bytes_raw)
+            t.add_bytes(kv, sinks, context - window, res.bytes, res.bytes_raw)
             if res.keep is None:
                 t.add_error(kv, res.kv, sinks, context - window)
             else:
@@ -222,7 +238,7 @@ def _compress_span(model: Any, cache: DynamicCache, method: Method, a: int, b: i
     layout = dataclasses.replace(layout, dtype=dtype_name(keys.dtype))
     kv = KVSlice(layout, rope.invert(keys, positions, layout.layers), values, positions)
     res = method.compress(kv, 0, b - a, rope)
-    tally.add_bytes(kv, b - a, res.bytes, res.bytes_raw)
+    tally.add_bytes(kv, 0, b - a, res.bytes, res.bytes_raw)
     tally.add_error(kv, res.kv, 0, b - a)
     lossy_keys = rope.apply(res.kv.keys, positions, layout.layers)
     with torch.inference_mode():  # the cache's tensors were made under inference mode
@@ -344,7 +360,7 @@ def retrieval(
             t.prompts += 1
             t.correct += ok
             t.correct_exact += ok_exact
-            t.add_bytes(kv, n - window - sinks, res.bytes, res.bytes_raw)
+            t.add_bytes(kv, sinks, n - window, res.bytes, res.bytes_raw)
             rec[m.label] = ok
             if progress:
                 progress(1)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 RATIO_NOTE = (
-    "Ratios count the compressed (middle) tokens only, against 16-bit K and V: kvtc's bytes are the codec's "
+    "Ratios count the compressed (middle) tokens only, against 16-bit K and V of the tokens each layer's cache "
+    "holds (a sliding-window layer: its newest window - 1 tokens): kvtc's bytes are the codec's "
     "from `Codec.inspect` (header, positions, per-token shifts and scales, coded planes); FP8 adds one fp32 "
     "scale per layer and kind; KIVI b-bit stores b bits per value plus a 16-bit scale and zero per group of "
     "32 (keys per channel along tokens, values per token along channels); quanto / HQQ b-bit (transformers' "
@@ -59,6 +60,16 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['method']} | {r['ratio']:.2f}× | {_pct(r.get('delta_ppl_pct'))} | {_f(r.get('kl'))} | "
             f"{_f(r.get('top1_agreement'))} | {_f(r.get('k_rel_error'))} | {_f(r.get('v_rel_error'))} | {acc} |"
         )
+    typed = [r for r in rows if "k_rel_error_full" in r]
+    if typed:  # a model with sliding-window and full-attention layers: the error of each kind of layer
+        lines.append("")
+        lines.append("Relative K / V error per kind of layer (sliding-window layers: over the tokens they hold):")
+        lines.append("")
+        lines.append("| method | K full | V full | K sliding | V sliding |")
+        lines.append("|---|---|---|---|---|")
+        for r in typed:
+            cells = " | ".join(_f(r.get(f"{k}_rel_error_{t}")) for t in ("full", "sliding") for k in "kv")
+            lines.append(f"| {r['method']} | {cells} |")
     lines.append("")
     lines.append(RATIO_NOTE)
     if result.get("ablation_calibration"):

@@ -66,7 +66,13 @@ def token_windows(
     tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None
 ) -> Iterator[torch.Tensor]:
     """Consecutive ``window``-token pieces of each document (documents shorter than a window are joined
-    with the next ones, separated by the EOS token)."""
+    with the next ones, separated by the EOS token), each starting with the tokenizer's leading tokens (BOS)."""
+    from ..assets.windows import leading_ids
+
+    lead = leading_ids(tokenizer)
+    if window <= len(lead):
+        raise CalibrationError(f"calibration window ({window}) leaves no room after the leading tokens {lead}")
+    window -= len(lead)
     carry: list[int] = []
     produced = 0
     eos = tokenizer.eos_token_id
@@ -76,7 +82,7 @@ def token_windows(
         if eos is not None:
             carry.append(eos)
         while len(carry) >= window:
-            yield torch.tensor(carry[:window], dtype=torch.int64)
+            yield torch.tensor(lead + carry[:window], dtype=torch.int64)
             carry = carry[window:]
             produced += 1
             if limit_windows is not None and produced >= limit_windows:
@@ -129,12 +135,14 @@ def collect_rows(
     done = 0
     try:
         count = -(-tokens // (window - sinks))
+        body = model.get_decoder()  # the KV is all that is needed: no logits over the vocabulary
         for ids in corpus_windows(tokenizer, texts, window, count, sampling, seed):
             with torch.inference_mode():
-                # a config-less cache keeps every token of sliding-window layers too
+                # a config-less cache keeps every token of sliding-window layers too: each is a sample of what
+                # those layers cache, wherever the window ends
                 cache = DynamicCache()
-                model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
-            kv = extract_slice(cache, model)
+                body(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
+            kv = extract_slice(cache, model, every_token=True)
             take = min(window - sinks, tokens - done)
             k = kv.keys[0, sinks : sinks + take].reshape(take, layout.num_features).float().cpu()
             v = kv.values[0, sinks : sinks + take].reshape(take, layout.num_features).float().cpu()
@@ -189,6 +197,11 @@ def measure_sensitivity(
     layout, _ = describe_model(model)
     device = next(model.parameters()).device
     sums = {kind: torch.zeros(layout.num_features, dtype=torch.float64) for kind in ("keys", "values")}
+    # per feature, the positions a codec codes: past the sinks and before the recent window, among those the
+    # feature's layer holds (a sliding-window layer holds only its newest tokens)
+    first = torch.tensor([context - layout.held(i, context) for i in range(len(layout.layers))])
+    coded = (context - recent - torch.maximum(first, torch.tensor(sinks))).clamp(min=0).double()
+    per_feature = coded.repeat_interleave(len(layout.heads) * layout.head_dim)
     count = 0
     flags = [p.requires_grad for p in model.parameters()]
     bar = progress_bar(windows, "sensitivity windows", progress, unit="tok")
@@ -199,7 +212,7 @@ def measure_sensitivity(
             ids = ids.to(device)
             with torch.inference_mode():
                 cache = DynamicCache(config=model.config)
-                model(input_ids=ids[None, :context], past_key_values=cache, use_cache=True)
+                model.get_decoder()(input_ids=ids[None, :context], past_key_values=cache, use_cache=True)
             kv = extract_slice(cache, model)
             with torch.enable_grad():
                 k = kv.keys.clone().float().requires_grad_(True)
@@ -218,7 +231,7 @@ def measure_sensitivity(
             for kind, t in (("keys", k), ("values", v)):
                 g = t.grad[0, sinks : context - recent].reshape(-1, layout.num_features)
                 sums[kind] += g.double().square().sum(0).cpu()
-            count += context - recent - sinks
+            count += 1
             bar.update(1)
     finally:
         bar.close()
@@ -229,7 +242,7 @@ def measure_sensitivity(
             f"the corpus has no window of {context + continuation + 1} tokens to measure sensitivity on; "
             "add longer documents or calibrate with sensitivity='none'"
         )
-    return {kind: (t / count).float() for kind, t in sums.items()}
+    return {kind: (t / (count * per_feature.clamp(min=1))).float() for kind, t in sums.items()}
 
 
 def calibrate_model(

@@ -61,9 +61,13 @@ class ModelAdapter:
     def __init__(self, config: PreTrainedConfig) -> None:
         self.rope: RopeSpec = rope_spec_from_config(config)
         heads = _kv_heads(text_config(config), self.rope.head_dim)
-        layers, self.hybrid = _cache_layers(config)
+        layers, limits, self.hybrid = _cache_layers(config)
         self.layout = KVLayout(
-            layers=layers, num_kv_heads=heads, head_dim=self.rope.head_dim, dtype=DEFAULT_CONFIG_DTYPE
+            layers=layers,
+            num_kv_heads=heads,
+            head_dim=self.rope.head_dim,
+            dtype=DEFAULT_CONFIG_DTYPE,
+            max_tokens=limits,
         )
         self.name = str(getattr(config, "name_or_path", "") or "")
         self._config = weakref.ref(config)
@@ -97,10 +101,13 @@ class ModelAdapter:
         """Refuse a calibration made for another model (layout or RoPE differ): :meth:`Calibration.check_model`."""
         calibration.check_model(self.layout, self.rope, model=f"model {self.name or 'given'}")
 
-    def extract(self, cache: Cache, positions: torch.Tensor | None = None, model_id: str = "") -> KVSlice:
+    def extract(
+        self, cache: Cache, positions: torch.Tensor | None = None, model_id: str = "", *, every_token: bool = False
+    ) -> KVSlice:
         """Read every KV-carrying layer of ``cache`` into a :class:`KVSlice` with pre-RoPE keys
-        (see :func:`extract_slice`)."""
-        layout = self.layout
+        (see :func:`extract_slice`). ``every_token``: keep every token of every layer (a cache built without config
+        holds them), in a layout without ``max_tokens``: calibration rows, not a slice to store."""
+        layout = dataclasses.replace(self.layout, max_tokens=()) if every_token else self.layout
         if not isinstance(cache, Cache):
             raise LayoutError(f"expected a transformers Cache, got {type(cache).__name__}")
         if len(cache.layers) <= layout.layers[-1]:
@@ -108,7 +115,7 @@ class ModelAdapter:
                 f"the cache has {len(cache.layers)} layers but the model's KV layers go up to {layout.layers[-1]}; "
                 "fill it with this model first"
             )
-        keys, values = [], []
+        keys, values, seen = [], [], []
         for li in layout.layers:
             layer = cache.layers[li]
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -122,22 +129,29 @@ class ModelAdapter:
                 )
             held = int(k.shape[2])
             sliding = isinstance(layer, DynamicSlidingWindowLayer)
-            seen = int(getattr(layer, "cumulative_length", held)) if sliding else held
-            if seen != held:
-                raise LayoutError(
-                    f"sliding-window layer {li} keeps only the last {held} of {seen} tokens, so the cache no longer "
-                    "holds the whole sequence; extract before the window fills or run the model with a "
-                    "DynamicCache() built without config (every layer then keeps all tokens)"
-                )
-            keys.append(k.transpose(1, 2))
-            values.append(v.transpose(1, 2))
-        lengths = {int(k.shape[1]) for k in keys}
+            seen.append(int(getattr(layer, "cumulative_length", held)) if sliding else held)
+            keys.append(k)
+            values.append(v)
+        tokens = max(seen)
         batches = {int(k.shape[0]) for k in keys}
-        if len(lengths) != 1 or len(batches) != 1:
-            raise LayoutError(f"KV layers disagree on batch {sorted(batches)} / tokens {sorted(lengths)}")
-        key_t = torch.stack(keys, dim=2)  # [batch, tokens, layers, heads, head_dim]
-        value_t = torch.stack(values, dim=2)
-        batch, tokens = int(key_t.shape[0]), int(key_t.shape[1])
+        if len(batches) != 1:
+            raise LayoutError(f"KV layers disagree on batch size {sorted(batches)}")
+        batch = batches.pop()
+        shape = (batch, tokens, len(layout.layers), layout.num_kv_heads, layout.head_dim)
+        # every layer for every token; a sliding-window layer fills only the newest tokens it holds (the rest is 0)
+        key_t = keys[0].new_zeros(shape) if layout.max_tokens else keys[0].new_empty(shape)
+        value_t = torch.zeros_like(key_t) if layout.max_tokens else torch.empty_like(key_t)
+        for i, li in enumerate(layout.layers):
+            n = layout.held(i, tokens)
+            have = int(keys[i].shape[2])
+            if have < n or seen[i] != tokens:
+                raise LayoutError(
+                    f"cache layer {li} has seen {seen[i]} tokens and holds {have}, but the sequence has {tokens} "
+                    f"tokens and this layer keeps {n} of them; the cache's layers disagree (was it filled by this "
+                    "model, or cropped?)"
+                )
+            key_t[:, tokens - n :, i] = keys[i][:, :, have - n :].transpose(1, 2)
+            value_t[:, tokens - n :, i] = values[i][:, :, have - n :].transpose(1, 2)
         if positions is None:
             positions = torch.arange(tokens, device=key_t.device).expand(batch, tokens).contiguous()
         elif not isinstance(positions, torch.Tensor):
@@ -169,14 +183,19 @@ class ModelAdapter:
         cache = DynamicCache(config=self.config)
         if linear_states is not None:
             _copy_linear_states(linear_states, cache)
+        tokens = kv.num_tokens
         for i, li in enumerate(got.layers):
             layer = cache.layers[li] if li < len(cache.layers) else None
+            n = got.held(i, tokens)
+            k, v = keys[i][:, :, tokens - n :], values[i][:, :, tokens - n :]
             if type(layer) is DynamicLayer and not layer.is_initialized:
                 # what update() would store, without its concatenation onto an empty tensor (a full extra copy)
-                layer.lazy_initialization(keys[i], values[i])
-                layer.keys, layer.values = keys[i], values[i]
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
             else:  # sliding-window, hybrid and other layers keep their own update logic (trimming, states)
-                cache.update(keys[i], values[i], li)
+                cache.update(k, v, li)
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.cumulative_length = tokens  # it has seen the whole sequence, holds its newest n tokens
         return cache
 
     def _own(self, model: PreTrainedModel) -> None:
@@ -232,6 +251,8 @@ def extract_slice(
     model_or_config: PreTrainedModel | PreTrainedConfig,
     positions: torch.Tensor | None = None,
     model_id: str = "",
+    *,
+    every_token: bool = False,
 ) -> KVSlice:
     """Read every KV-carrying layer of ``cache`` into a :class:`KVSlice` with pre-RoPE keys.
 
@@ -241,12 +262,13 @@ def extract_slice(
     every row (right for unpadded sequences; pass the real positions for left-padded batches).
     Returns keys / values ``[batch, tokens, len(layers), kv_heads, head_dim]`` in the cache's dtype, on its device.
 
-    Sliding-window layers keep only their last ``sliding_window - 1`` tokens once the sequence is longer, while a
-    slice holds the same tokens for every layer: such a cache raises :class:`~kvtc.errors.LayoutError`. Extract
-    before the window fills, or run the model with a ``DynamicCache()`` built without ``config`` (every layer then
-    keeps all tokens; the model still masks to the window).
+    A sliding-window layer holds only its newest ``sliding_window - 1`` tokens once the sequence is longer (the
+    layout's ``max_tokens``): the slice holds those, with zeros before them, and a codec stores only those. A cache
+    built without ``config`` (every layer keeping every token) gives the same slice: the older tokens of a sliding
+    layer are dropped, as the model's own cache would. ``every_token=True`` keeps them (from such a cache) in a
+    layout without ``max_tokens``: what calibration samples, not what a model's cache holds.
     """
-    return adapter_for(model_or_config).extract(cache, positions, model_id)
+    return adapter_for(model_or_config).extract(cache, positions, model_id, every_token=every_token)
 
 
 def rebuild_cache(
@@ -324,20 +346,23 @@ def _kv_heads(text: Any, head_dim: int) -> int:
     return int(heads)
 
 
-def _cache_layers(config: Any) -> tuple[tuple[int, ...], bool]:
-    """Real indices of the layers whose cache entry holds attention KV, and whether some keep a recurrent state."""
+def _cache_layers(config: Any) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """Real indices of the layers whose cache entry holds attention KV, the most tokens each holds (0: all; a
+    sliding-window layer keeps its newest ``sliding_window - 1``), and whether some layers keep a recurrent state."""
     try:
         cache = DynamicCache(config=config)
     except KeyError as e:
         raise UnsupportedModel(
             f"transformers has no cache layer for layer type {e}; kvtc cannot read this model"
         ) from None
-    layers, hybrid = [], False
+    layers, limits, hybrid = [], [], False
     for i, layer in enumerate(cache.layers):
         recurrent = isinstance(layer, LinearAttentionCacheLayerMixin)
         hybrid |= recurrent
         if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) or (isinstance(layer, DynamicLayer) and recurrent):
             layers.append(i)
+            sliding = isinstance(layer, DynamicSlidingWindowLayer)
+            limits.append(max(int(layer.sliding_window) - 1, 1) if sliding else 0)
         elif not recurrent:  # a recurrent-only layer (linear attention, SSM, conv, no attention) is skipped
             raise UnsupportedModel(
                 f"layer {i} uses cache layer {type(layer).__name__}, which kvtc cannot read "
@@ -345,7 +370,7 @@ def _cache_layers(config: Any) -> tuple[tuple[int, ...], bool]:
             )
     if not layers:
         raise UnsupportedModel(f"{type(config).__name__} has no layer with attention KV; there is nothing to code")
-    return tuple(layers), hybrid
+    return tuple(layers), tuple(limits), hybrid
 
 
 def _copy_linear_states(source: Cache, target: DynamicCache) -> None:
