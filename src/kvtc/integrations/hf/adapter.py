@@ -306,7 +306,9 @@ def _shape(layout: KVLayout) -> str:
     n = len(layout.layers)
     layers = list(layout.layers) if n <= 6 else f"[{layout.layers[0]}, ..., {layout.layers[-1]}] ({n})"
     heads = "" if len(layout.heads) == layout.num_kv_heads else f" (holding {list(layout.heads)})"
-    return f"layers {layers}, {layout.num_kv_heads} KV heads{heads} of {layout.head_dim}"
+    windows = sorted({x for x in layout.max_tokens if x})
+    held = f", sliding layers holding {windows} tokens" if windows else ""
+    return f"layers {layers}, {layout.num_kv_heads} KV heads{heads} of {layout.head_dim}{held}"
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ What is and is not in a blob:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from ...calibration.load import load_calibration
 from ...codec import Codec, container
 from ...errors import CalibrationError, CalibrationMismatch, LayoutError
 from ...fileio import read_blob, write_atomic
-from ...layout import DTYPES, KVLayout
+from ...layout import DTYPES
 from .adapter import adapter_for
 
 #: storage dtype of the KV in a blob (ratios are counted against it)
@@ -88,7 +89,7 @@ def compress_cache(
         if name != kv.layout.dtype:
             kv.keys = kv.keys.to(DTYPES[name])
             kv.values = kv.values.to(DTYPES[name])
-            kv.layout = KVLayout(kv.layout.layers, kv.layout.num_kv_heads, kv.layout.head_dim, kv.layout.heads, name)
+            kv.layout = dataclasses.replace(kv.layout, dtype=name)
     return codec.encode(kv, timings=timings)
 
 
