@@ -33,7 +33,7 @@ class _NoRope:
 def test_kivi_bytes_match_formula_and_error_shrinks_with_bits(bits: int, ratio: float) -> None:
     kv = _slice(tokens=4 + 64 + 8)
     res = KIVI(bits).compress(kv, 4, 4 + 64, _NoRope())
-    assert reference_bytes(kv, 64) / res.bytes == pytest.approx(ratio)
+    assert reference_bytes(kv, 4, 68) / res.bytes == pytest.approx(ratio)
     assert torch.equal(res.kv.keys[:, :4], kv.keys[:, :4]) and torch.equal(res.kv.values[:, 68:], kv.values[:, 68:])
     err = (res.kv.keys[:, 4:68] - kv.keys[:, 4:68]).norm() / kv.keys[:, 4:68].norm()
     assert 0 < err < (0.5 if bits == 2 else 0.1)
@@ -51,7 +51,7 @@ def test_kivi_keys_are_per_channel() -> None:
 def test_fp8_is_about_2x_and_accurate() -> None:
     kv = _slice()
     res = FP8().compress(kv, 0, 100, _NoRope())
-    assert 1.99 < reference_bytes(kv, 100) / res.bytes <= 2.0
+    assert 1.99 < reference_bytes(kv, 0, 100) / res.bytes <= 2.0
     assert (res.kv.values - kv.values).norm() / kv.values.norm() < 0.05
 
 
@@ -60,7 +60,7 @@ def test_eviction_keeps_sinks_window_and_newest_share() -> None:
     res = Eviction(16).compress(kv, 4, 164, _NoRope())
     keep = res.keep[0]
     assert keep[:4].all() and keep[164:].all() and int(keep[4:164].sum()) == 10 and keep[154:164].all()
-    assert res.bytes == reference_bytes(kv, 10)
+    assert res.bytes == reference_bytes(kv, 154, 164)
 
 
 def test_greedy_never_beats_the_dp_and_respects_the_budget() -> None:
@@ -250,3 +250,52 @@ def test_kvtc_method_stores_bf16_through_a_file(smollm2, tiny_calibration, tmp_p
     assert a["tokens"] == b["tokens"] == 16
     assert a["ratio"] >= 16 and a["ratio"] == pytest.approx(b["ratio"], rel=0.02)
     assert a["ppl"] == pytest.approx(b["ppl"], rel=0.02)
+
+
+def test_sliding_window_model_is_evaluated_on_the_tokens_its_layers_hold() -> None:
+    """A tiny Gemma-3-style model (sliding layers keeping their newest 15 tokens): every method is charged and
+    scored on the tokens each layer's cache holds, kvtc (fitted on the model's own KV) reports its error per
+    kind of layer, and the conversation protocol compresses recent spans of sliding layers in place."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvtc.eval.methods import KVTC
+    from kvtc.eval.protocols import conversation, storage_roundtrip
+    from kvtc.integrations.hf import describe_model, extract_slice
+    from tiny_models import gemma3
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gemma3(sliding_window=16), dtype=torch.float32).eval()
+    layout, rope = describe_model(model)
+    assert layout.max_tokens == (15, 0, 15, 0)
+    rows = []
+    for _ in range(4):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(torch.randint(3, 128, (1, 64)), past_key_values=cache, use_cache=True)
+        kv = extract_slice(cache, model, every_token=True)
+        rows.append((kv.keys[0].reshape(64, -1), kv.values[0].reshape(64, -1)))
+    cal = fit_calibration(layout, rows, Recipe(ratios=(4,), sensitivity="none", dp_rows=256), rope=rope.to_dict())
+    assert [c.numel() for c in cal.columns] == [512, 512]  # one PCA per kind of layer
+    windows = torch.randint(3, 128, (2, 40 + 8 + 1))
+    methods = [KVTC(cal, 4), KIVI(2), Eviction(4)]
+    tallies = storage_roundtrip(model, windows, methods, context=40, sinks=2, window=4)
+    kv = extract_slice(_prefilled(model, windows[0, :40]), model)
+    # compressed tokens [2, 36): full layers hold all 34, sliding layers their newest 15 minus the 4 recent = 11
+    want = 2 * 2 * (34 * 2 + 11 * 2) * 256 * 2  # windows x (K, V) x layer-tokens x features x 16 bits
+    assert reference_bytes(kv, 2, 36) * 2 == want
+    for t in tallies.values():
+        assert t.bytes_ref in (0, want)
+    summary = tallies["kvtc 4x"].summary()
+    assert {"k_rel_error_full", "k_rel_error_sliding", "v_rel_error_full", "v_rel_error_sliding"} <= set(summary)
+    assert 0 < summary["k_rel_error_sliding"] < 0.9 and summary["ratio"] > 2
+    conv = conversation(model, torch.randint(3, 128, (1, 60)), [KIVI(4)], sinks=2, window=8, step=4)
+    assert conv["KIVI 4-bit"].tokens == 60 - 10 and conv["KIVI 4-bit"].bytes_ref > 0
+
+
+def _prefilled(model, ids):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[None], past_key_values=cache, use_cache=True)
+    return cache

@@ -230,10 +230,23 @@ def conversation(
 
 
 def _compress_span(model: Any, cache: DynamicCache, method: Method, a: int, b: int, rope: Any, tally: Tally) -> None:
-    """Replace tokens ``[a, b)`` of every KV layer of ``cache`` by ``method``'s lossy version."""
+    """Replace tokens ``[a, b)`` of every KV layer of ``cache`` by ``method``'s lossy version (a sliding-window
+    layer must still hold them: the protocol compresses recent spans)."""
     layout, _ = describe_model(model)
-    keys = torch.stack([cache.layers[li].keys[:, :, a:b].transpose(1, 2) for li in layout.layers], dim=2)
-    values = torch.stack([cache.layers[li].values[:, :, a:b].transpose(1, 2) for li in layout.layers], dim=2)
+    offsets = []  # index in each layer's tensors of token 0 (a sliding layer holds only its newest tokens)
+    for li in layout.layers:
+        layer = cache.layers[li]
+        off = int(getattr(layer, "cumulative_length", layer.keys.shape[2])) - int(layer.keys.shape[2])
+        if a < off:
+            raise ValueError(f"layer {li} no longer holds token {a}; compress spans within its window")
+        offsets.append(off)
+    spans = [(a - off, b - off) for off in offsets]
+    keys = torch.stack(
+        [cache.layers[li].keys[:, :, x:y].transpose(1, 2) for li, (x, y) in zip(layout.layers, spans)], 2
+    )
+    values = torch.stack(
+        [cache.layers[li].values[:, :, x:y].transpose(1, 2) for li, (x, y) in zip(layout.layers, spans)], 2
+    )
     positions = torch.arange(a, b, device=keys.device).expand(keys.shape[0], b - a).contiguous()
     layout = dataclasses.replace(layout, dtype=dtype_name(keys.dtype))
     kv = KVSlice(layout, rope.invert(keys, positions, layout.layers), values, positions)
@@ -242,10 +255,10 @@ def _compress_span(model: Any, cache: DynamicCache, method: Method, a: int, b: i
     tally.add_error(kv, res.kv, 0, b - a)
     lossy_keys = rope.apply(res.kv.keys, positions, layout.layers)
     with torch.inference_mode():  # the cache's tensors were made under inference mode
-        for i, li in enumerate(layout.layers):
+        for i, (li, (x, y)) in enumerate(zip(layout.layers, spans)):
             layer = cache.layers[li]
-            layer.keys[:, :, a:b] = lossy_keys[:, :, i].transpose(1, 2).to(layer.keys.dtype)
-            layer.values[:, :, a:b] = res.kv.values[:, :, i].transpose(1, 2).to(layer.values.dtype)
+            layer.keys[:, :, x:y] = lossy_keys[:, :, i].transpose(1, 2).to(layer.keys.dtype)
+            layer.values[:, :, x:y] = res.kv.values[:, :, i].transpose(1, 2).to(layer.values.dtype)
 
 
 # ----------------------------------------------------------------------------------------- retrieval
