@@ -65,9 +65,10 @@ VLLM_OBJECTS = {
 PACKAGE = HERE.parent / "src" / "kvtc" / "integrations" / "vllm"
 
 
-def _run(tmp: Path, name: str, *args: str) -> tuple[dict, str]:
+def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """Run one engine scenario (``vllm_scenarios.py run ...``) in its own process; its result and stderr."""
     out = tmp / f"{name}.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", **(env or {}))
     p = subprocess.run(
         [sys.executable, str(SCENARIOS), "run", *args, "--out", str(out)],
         capture_output=True,

@@ -3,10 +3,12 @@ benchmarks/vllm_ttft.py (vLLM spawns processes, so every engine lives in its own
 
     python tests/vllm_scenarios.py run --mode {none,identity,kvtc} --store URL --out result.json [options]
 
-One run starts one engine (``LLM``), serves the prompts of the scenario and writes a JSON result: greedy
-tokens, teacher-forced top-1 tokens and log-probabilities over the tokens after the shared prefix, per
-request cached-token counts, timings. Prompts are token ids built from State of the Union text: ``--groups``
-shared prefixes of ``--prefix`` tokens, each followed by a distinct question-like suffix.
+One run starts one engine (``LLM``) on ``--model`` (``smollm2``: SmolLM2-135M-Instruct; ``gemma3``: Gemma-3-270M,
+sliding-window and global layers), serves the prompts of the scenario and writes a JSON result: greedy tokens,
+teacher-forced top-1 tokens and log-probabilities over the tokens after the shared prefix, per request
+cached-token counts, timings, and whether vLLM kept its hybrid KV-cache manager. Prompts are token ids built
+from State of the Union text: ``--groups`` shared prefixes of ``--prefix`` tokens, each followed by a distinct
+question-like suffix (Gemma's prompts start with its BOS token, as its tokenizer's own do).
 """
 
 from __future__ import annotations
@@ -30,8 +32,24 @@ SCORED_TOKENS = 32
 GEN_TOKENS = 16
 
 
-def build_prompts(tok, n_prompts: int, groups: int, prefix: int, suffix: int, scored: int, skip: int = 0) -> list[dict]:
-    """``n_prompts`` prompts over ``groups`` shared prefixes: prefix + suffix (+ ``scored`` reference tokens)."""
+def model_dir(name: str):
+    """The HF directory of an embedded model: ``smollm2`` or ``gemma3``."""
+    from kvtc import assets
+
+    if name == "smollm2":
+        return assets.smollm2_dir()
+    finder = getattr(assets, "gemma3_dir", None)
+    path = finder() if finder is not None else assets.cache_dir() / "models" / "gemma-3-270m"
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"Gemma-3-270M is not in the asset cache ({path})")
+    return path
+
+
+def build_prompts(
+    tok, n_prompts: int, groups: int, prefix: int, suffix: int, scored: int, skip: int = 0, bos: int | None = None
+) -> list[dict]:
+    """``n_prompts`` prompts over ``groups`` shared prefixes: prefix + suffix (+ ``scored`` reference tokens); each
+    prefix starts with ``bos`` when given."""
     from kvtc.assets import sotu_texts
 
     texts = sotu_texts(since=2000)
@@ -39,7 +57,8 @@ def build_prompts(tok, n_prompts: int, groups: int, prefix: int, suffix: int, sc
     need = groups * prefix + n_prompts * (suffix + scored)
     if len(ids) < need:
         raise SystemExit(f"not enough text: {len(ids)} < {need} tokens")
-    prefixes = [ids[g * prefix : (g + 1) * prefix] for g in range(groups)]
+    lead = [] if bos is None else [bos]
+    prefixes = [lead + ids[g * prefix : (g + 1) * prefix - len(lead)] for g in range(groups)]
     rest = ids[groups * prefix :]
     prompts = []
     for i in range(n_prompts):
@@ -53,8 +72,6 @@ def build_prompts(tok, n_prompts: int, groups: int, prefix: int, suffix: int, sc
 def make_llm(args):
     from vllm import LLM
     from vllm.config import KVTransferConfig
-
-    from kvtc.assets import smollm2_dir
 
     kw = {}
     if args.mode != "none":
@@ -72,7 +89,9 @@ def make_llm(args):
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
         )
-    return LLM(model=str(smollm2_dir()), dtype="bfloat16", max_model_len=args.max_len, enforce_eager=True, seed=0, **kw)
+    return LLM(
+        model=str(model_dir(args.model)), dtype="bfloat16", max_model_len=args.max_len, enforce_eager=True, seed=0, **kw
+    )
 
 
 def _gen_records(outs) -> list[dict]:
@@ -124,17 +143,34 @@ def _serve(llm, args, startup: float) -> dict:
     from vllm.inputs import TokensPrompt
 
     tok = llm.get_tokenizer()
-    prompts = build_prompts(tok, args.prompts, args.groups, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS)
-    out: dict = {"mode": args.mode, "startup_s": startup}
+    bos = tok.bos_token_id if args.model == "gemma3" else None
+    prompts = build_prompts(tok, args.prompts, args.groups, args.prefix, SUFFIX_TOKENS, args.scored, bos=bos)
+    hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    out: dict = {"mode": args.mode, "model": args.model, "startup_s": startup, "hybrid_kv_cache_manager": hybrid}
 
     gen = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=2)
+    if args.warm_prefix:
+        # Compute each shared prefix alone first: every prompt below then computes only its suffix on top of a
+        # cached prefix, as in an engine that restores the prefix (vLLM's CPU kernels round bf16 differently
+        # for a token computed inside a long prefill than for one computed on a cached prefix).
+        firsts = {tuple(p["prefix"]): p["suffix"][:16] for p in reversed(prompts)}  # 16 more: whole blocks cached
+        warm = [TokensPrompt(prompt_token_ids=list(prefix) + more) for prefix, more in firsts.items()]
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     reqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"]) for p in prompts]
     t1 = time.perf_counter()
-    outs = llm.generate(reqs, gen, use_tqdm=False)
+    if args.sequential:  # one request at a time: every engine computes the same batches
+        outs = [o for r in reqs for o in llm.generate([r], gen, use_tqdm=False)]
+    else:
+        outs = llm.generate(reqs, gen, use_tqdm=False)
     out["generate_s"] = time.perf_counter() - t1
     out["requests"] = _gen_records(outs)
     for rec, p in zip(out["requests"], prompts):
         rec["group"] = p["group"]
+    if args.again_concurrent:
+        # The prompts again, all at once, on an empty prefix cache: one request restores the prefix, the others
+        # wait for it (the connector defers them) and then find it in vLLM's own prefix cache.
+        llm.reset_prefix_cache()
+        out["again_concurrent"] = _gen_records(llm.generate(reqs, gen, use_tqdm=False))
     if args.score:
         # Teacher forcing: the prompt is prefix + suffix + reference; score the reference tokens.
         # vLLM skips its prefix cache and the connector for prompt_logprobs requests unless told otherwise: the
@@ -152,7 +188,7 @@ def _serve(llm, args, startup: float) -> dict:
             rec["scored_cached"] = o.num_cached_tokens
     # Other prefixes than the prompts above (none of them in any engine's cache or store yet).
     many = (
-        build_prompts(tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, SCORED_TOKENS, skip=args.prefix)
+        build_prompts(tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, args.scored, skip=args.prefix, bos=bos)
         if args.concurrent
         else []
     )
@@ -213,6 +249,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["run"])
     ap.add_argument("--mode", choices=["none", "identity", "kvtc"], required=True)
+    ap.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
+    ap.add_argument("--scored", type=int, default=SCORED_TOKENS)
     ap.add_argument("--store", default="")
     ap.add_argument("--calibration", default="")
     ap.add_argument("--ratio", type=float, default=16)
@@ -222,6 +260,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=PREFIX_TOKENS)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--score", action="store_true")
+    ap.add_argument("--warm-prefix", action="store_true")
+    ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--again-concurrent", action="store_true")
     ap.add_argument("--topk", type=int, default=20)
     ap.add_argument("--repeat-concurrent", action="store_true")
     ap.add_argument("--corrupt", action="store_true")

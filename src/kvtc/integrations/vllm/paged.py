@@ -44,6 +44,9 @@ SPLITS = ("content", "rows", "kv_first", "kv_second", "kv_first_hnd", "probed")
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+#: vLLM's null block: what a block table holds where a sliding-window KV-cache group has dropped a block.
+NULL_BLOCK = 0
+
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> torch.Tensor:
     """Slots (int64 ``[stop - start]``) of token positions ``start..stop-1`` of a request owning ``block_ids``."""
@@ -54,6 +57,32 @@ def slots_for(block_ids: Sequence[int], block_size: int, start: int, stop: int) 
     pos = torch.arange(start, stop, dtype=torch.int64)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
     return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def held_slots(
+    block_ids: Sequence[int], block_size: int, start: int, stop: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Slots of tokens ``start..stop-1`` in the blocks a group holds (skipping :data:`NULL_BLOCK`, a block a
+    sliding-window group dropped): ``(token offsets from start, or None for all of them; slots)``."""
+    slots = slots_for(block_ids, block_size, start, stop)
+    held = slots // block_size != NULL_BLOCK
+    if bool(held.all()):
+        return None, slots
+    return held.nonzero().flatten(), slots[held]
+
+
+class SharedIndex:
+    """Storage offsets of one run of slots, computed once for all layer tensors that share a layout and strides."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+        self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def __call__(self, paged: PagedLayout, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (id(paged), cache.stride(), cache.device)
+        if key not in self.memo:
+            self.memo[key] = paged.index(cache, self.slots)
+        return self.memo[key]
 
 
 @dataclass(frozen=True)
@@ -142,6 +171,14 @@ class PagedLayout:
         lin = lin.to(cache.device)
         blk, off = slots // self.block_size, slots % self.block_size
         return (blk * st[0])[:, None, None] + lin[which][off]
+
+    def copy_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """A contiguous copy of blocks ``block_ids`` of ``cache``, laid out like the cache (block ``i`` of the copy
+        is ``block_ids[i]``): whole blocks move as plain memory copies, and :meth:`gather` reads the copy later
+        with slots ``0..len(block_ids) * block_size - 1``."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        axis = 1 if self.split in ("kv_first", "kv_first_hnd") else 0
+        return cache.index_select(axis, ids)
 
     def index(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Precomputed K and V storage offsets of ``slots`` for :meth:`gather` / :meth:`scatter` (``"probed"``
