@@ -5,7 +5,7 @@ vLLM as finished and failed loads, and that its DEBUG lines say what happened.""
 from __future__ import annotations
 
 import logging
-import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from kvtc.integrations.vllm.codecs import Codecs  # noqa: E402
 from kvtc.integrations.vllm.config import ConnectorConfig, ConnectorSetup, open_connector_store  # noqa: E402
 from kvtc.integrations.vllm.groups import CacheGroup  # noqa: E402
 from kvtc.integrations.vllm.metadata import LoadJob, StoreJob  # noqa: E402
-from kvtc.integrations.vllm.saver import Background  # noqa: E402
 from kvtc.integrations.vllm.worker import WorkerSide  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK, CHUNK, BLOCKS = 2, 2, 16, 16, 32, 12
@@ -25,7 +24,11 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 def _worker(
-    store_url: str, seed: int | None = None, groups: tuple[CacheGroup, ...] = (), background: bool = False
+    store_url: str,
+    seed: int | None = None,
+    groups: tuple[CacheGroup, ...] = (),
+    background: bool = False,
+    max_pending_bytes: int = 1 << 30,
 ) -> WorkerSide:
     """A rank-0 worker with CPU-layout bf16 caches ([blocks, heads, block_size, 2 * head_dim]) per layer,
     random when ``seed`` is given, zero otherwise."""
@@ -45,8 +48,9 @@ def _worker(
     for name in NAMES:
         c = torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).bfloat16()
         caches[name] = c if seed is not None else torch.zeros_like(c)
+    store = open_connector_store(config, setup.namespace(0))
     w = WorkerSide(
-        setup, Codecs(config, None, None), 0, open_connector_store(config, setup.namespace(0)), background=background
+        setup, Codecs(config, None, None), 0, store, background=background, max_pending_bytes=max_pending_bytes
     )
     w.attach(caches, modules={}, cache_dtype="auto")
     return w
@@ -67,7 +71,7 @@ def test_store_then_restore_and_a_missing_chunk(tmp_path, caplog):
     line = _debug_lines(caplog)[-1]
     assert line.startswith(f"KVTCConnector: stored {CHUNK} tokens in ") and " bytes" in line, line
 
-    dst = _worker(url)
+    dst = _worker(url, background=True)  # restores of two chunks or more: the codec process decodes the second half
     other = [3, 4, 6, 8]
     dst.load([LoadJob("b", [other], 0, 2 * CHUNK, ["key0", "key-never-stored"], 0)])
     line = _debug_lines(caplog)[-1]
@@ -86,6 +90,28 @@ def test_store_then_restore_and_a_missing_chunk(tmp_path, caplog):
         s, d = src.layers[i].cache, dst.layers[i].cache
         assert torch.equal(d[3], s[5]) and torch.equal(d[4], s[2])
         assert not d[6].any() and not d[8].any()
+    dst.close()
+
+
+def test_a_restore_split_with_the_codec_process(tmp_path):
+    """Three chunks: the worker decodes the first two, the codec process the third; all land exactly, and a load
+    that starts inside its first chunk writes only its own tokens."""
+    url = f"file://{tmp_path}/store"
+    src = _worker(url, seed=6)
+    ids = [1, 2, 3, 4, 5, 6]
+    src.save([StoreJob("a", f"k{c}", c, [ids]) for c in range(3)])
+    dst = _worker(url, background=True)
+    new = [7, 8, 9, 10, 11, 2]
+    dst.load([LoadJob("b", [new], 0, 3 * CHUNK, ["k0", "k1", "k2"], 0)])
+    dst.load([LoadJob("c", [[0, 3, 4, 5]], BLOCK, 2 * CHUNK, ["k0", "k1"], 0)])  # tokens 16..63 (block 0 local)
+    assert dst.take_finished_loads() == ({"b", "c"}, set())
+    for i in range(LAYERS):
+        s, d = src.layers[i].cache, dst.layers[i].cache
+        for a, b in zip(ids, new):
+            assert torch.equal(d[b], s[a])
+        assert torch.equal(d[3], s[2]) and torch.equal(d[4], s[3]) and torch.equal(d[5], s[4])
+        assert not d[0].any()
+    dst.close()
 
 
 def test_a_damaged_entry_is_removed_and_reported(tmp_path):
@@ -140,13 +166,16 @@ def test_a_chunk_longer_than_a_window_is_refused(tmp_path):
         _worker(f"file://{tmp_path}/store", groups=groups)
 
 
-def test_background_queue_is_bounded_and_drains():
-    release = threading.Event()
-    done = []
-    bg = Background("test", lambda item: (release.wait(10), done.append(item)), max_bytes=100)
-    assert bg.submit("a", 80)
-    assert not bg.submit("b", 80)  # would hold 160 bytes: dropped, counted
-    assert bg.dropped == 1 and bg.pending == 1
-    assert not bg.flush(timeout=0.05)
-    release.set()
-    assert bg.close(timeout=10) and done == ["a"]
+def test_encoder_process_queue_is_bounded(tmp_path, caplog):
+    """Chunks wait for the encoder process in shared-memory copies, at most ``max_pending_bytes`` of them (one chunk
+    is ~8 KB here): the second chunk, submitted while the first waits for the process to start, is dropped and
+    reported; the first is stored before the worker closes."""
+    caplog.set_level(logging.DEBUG, logger="kvtc.vllm")
+    w = _worker(f"file://{tmp_path}/store", seed=5, background=True, max_pending_bytes=10_000)
+    w.save([StoreJob("a", "k0", 0, [[1, 2]]), StoreJob("a", "k1", 1, [[1, 2, 3, 4]])])
+    assert "1 chunks refused by the store or dropped" in _debug_lines(caplog)[-1]
+    assert w.take_report().unsaved == {"k1"}
+    copies = Path(w.helper.dir)
+    w.close()
+    assert w.store.contains("k0") and not w.store.contains("k1")
+    assert not copies.exists()  # the shared-memory copies are gone

@@ -22,7 +22,7 @@ import time
 
 if os.environ.get("KVTC_VLLM_DEBUG"):  # module level: engine processes re-import this module when spawned
     _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("%(process)d %(name)s %(levelname)s %(message)s"))
+    _handler.setFormatter(logging.Formatter("%(process)d %(created).3f %(name)s %(levelname)s %(message)s"))
     logging.getLogger("kvtc.vllm").addHandler(_handler)
     logging.getLogger("kvtc.vllm").setLevel(logging.DEBUG)
 
@@ -158,7 +158,9 @@ def _serve(llm, args, startup: float) -> dict:
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     reqs = [TokensPrompt(prompt_token_ids=p["prefix"] + p["suffix"]) for p in prompts]
     t1 = time.perf_counter()
-    if args.sequential:  # one request at a time: every engine computes the same batches
+    if not reqs:  # --prompts 0: only the measurements below
+        outs = []
+    elif args.sequential:  # one request at a time: every engine computes the same batches
         outs = [o for r in reqs for o in llm.generate([r], gen, use_tqdm=False)]
     else:
         outs = llm.generate(reqs, gen, use_tqdm=False)
@@ -207,13 +209,34 @@ def _serve(llm, args, startup: float) -> dict:
         out["corrupted"] = corrupt_one_entry(args.store)
         llm.reset_prefix_cache()
         out["corrupt_requests"] = _gen_records(llm.generate(reqs, gen, use_tqdm=False))
-    if args.ttft:
+    if args.ttft and args.ttft_reps:
         out["ttft"] = ttft(llm, tok, args)
+    if args.decode_tokens:
+        out["decode"] = decode_while_storing(llm, tok, args)
     return out
 
 
+def store_entries(store_url: str) -> int:
+    """Entries in a ``file://`` store (files of more than 10 KB: stored chunks, not bookkeeping)."""
+    root = store_url[len("file://") :].split("?")[0]
+    files = (os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith("."))  # not temp files
+    return sum(1 for path in files if os.path.getsize(path) > 10_000)
+
+
+def wait_for_entries(store_url: str, count: int, timeout: float = 300.0) -> float:
+    """Wait until the store holds ``count`` entries (saves finish on the connector's background thread);
+    returns the seconds waited."""
+    t0 = time.perf_counter()
+    while store_entries(store_url) < count:
+        if time.perf_counter() - t0 > timeout:
+            raise SystemExit(f"the store holds {store_entries(store_url)} entries after {timeout} s, not {count}")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
 def ttft(llm, tok, args) -> dict:
-    """Time to first token: cold prefill of a fresh prefix vs a prefix restored from the store."""
+    """Time to first token: cold prefill of a fresh prefix (stored by the connector, off the forward path) vs the
+    prefix restored from the store. Without a connector (``--mode none``) only the cold prefills run."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -221,12 +244,17 @@ def ttft(llm, tok, args) -> dict:
 
     ids = [t for text in sotu_texts(before=2000)[-40:] for t in tok(text, add_special_tokens=False)["input_ids"]]
     n = args.ttft
+    stores = args.mode != "none"
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    res: dict = {"prefix_tokens": n, "cold_s": [], "hit_s": [], "hit_cached": []}
+    res: dict = {"prefix_tokens": n, "cold_s": [], "hit_s": [], "hit_cached": [], "save_wait_s": []}
     warm = ids[-4096:-3584]  # untimed: a 512-token miss and hit warm the save and restore paths
     llm.generate([TokensPrompt(prompt_token_ids=warm + ids[:16])], one, use_tqdm=False)
-    llm.reset_prefix_cache()
-    llm.generate([TokensPrompt(prompt_token_ids=warm + ids[16:32])], one, use_tqdm=False)
+    entries = 0
+    if stores:
+        entries = len(warm) // args.chunk
+        wait_for_entries(args.store, entries)
+        llm.reset_prefix_cache()
+        llm.generate([TokensPrompt(prompt_token_ids=warm + ids[16:32])], one, use_tqdm=False)
     for i in range(args.ttft_reps):
         prefix = ids[i * n : (i + 1) * n]
         q1 = ids[-(i + 1) * 16 - 16 : -(i + 1) * 16]
@@ -235,6 +263,10 @@ def ttft(llm, tok, args) -> dict:
         t = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=prefix + q1)], one, use_tqdm=False)
         res["cold_s"].append(time.perf_counter() - t)
+        if not stores:
+            continue
+        entries += n // args.chunk
+        res["save_wait_s"].append(wait_for_entries(args.store, entries))
         if not llm.reset_prefix_cache():  # the engine's own cache is empty: only the store can serve the prefix
             raise SystemExit("vLLM refused to reset its prefix cache")
         q2 = ids[-(i + 1) * 16 - 48 : -(i + 1) * 16 - 32]
@@ -243,6 +275,52 @@ def ttft(llm, tok, args) -> dict:
         res["hit_s"].append(time.perf_counter() - t)
         res["hit_cached"].append(o[0].num_cached_tokens)
     return res
+
+
+def decode_while_storing(llm, tok, args) -> dict:
+    """Decode speed of a batch of ``--decode-batch`` requests while ``--decode-long`` new ``--ttft``-token prompts
+    arrive: their prefill runs in the batch's steps (in every engine alike), then the connector encodes and stores
+    their chunks on its background thread while the batch keeps decoding. Measured over the batch's steps after the
+    long prompts finished: tokens per second, and the window's wall-clock ends (``time.time()``, to set against
+    the connector's log)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtc.assets import sotu_texts
+
+    ids = [t for text in sotu_texts(before=2000)[:40] for t in tok(text, add_special_tokens=False)["input_ids"]]
+    engine = llm.llm_engine
+    dec = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for b in range(args.decode_batch):
+        engine.add_request(f"dec{b}", TokensPrompt(prompt_token_ids=ids[b * 64 : (b + 1) * 64]), dec)
+    base = args.decode_batch * 64
+    produced = dict.fromkeys((f"dec{b}" for b in range(args.decode_batch)), 0)
+    for _ in range(4):  # the batch is decoding
+        for o in engine.step():
+            if o.request_id in produced:
+                produced[o.request_id] = len(o.outputs[0].token_ids)
+    for j in range(args.decode_long):
+        long = ids[base + j * args.ttft : base + (j + 1) * args.ttft]
+        engine.add_request(f"long{j}", TokensPrompt(prompt_token_ids=long), SamplingParams(max_tokens=1))
+    longs = set(f"long{j}" for j in range(args.decode_long))
+    t0 = tokens0 = None
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id in produced:
+                produced[o.request_id] = len(o.outputs[0].token_ids)
+            elif o.finished:
+                longs.discard(o.request_id)
+        if t0 is None and not longs:
+            t0, w0, tokens0 = time.perf_counter(), time.time(), sum(produced.values())
+        elif t0 is not None:
+            steps += 1
+        if t0 is not None and min(produced.values()) >= args.decode_tokens:
+            break
+    elapsed = time.perf_counter() - t0
+    tokens = sum(produced.values()) - tokens0
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
+            "window": [w0, time.time()], "batch": args.decode_batch, "long_prompts": args.decode_long}  # fmt: skip
 
 
 def main() -> None:
@@ -269,6 +347,9 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=0)
     ap.add_argument("--ttft", type=int, default=0)
     ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=0)
+    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--decode-long", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

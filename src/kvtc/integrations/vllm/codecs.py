@@ -65,10 +65,6 @@ class Codecs:
         codecs.check(layout)
         return codecs
 
-    def twin(self) -> Codecs:
-        """Codecs of the same calibration with codec objects of their own (for another thread)."""
-        return Codecs(self.config, self.calibration, self.rope, self.model)
-
     @property
     def calibration_hash(self) -> str:
         return self.calibration.hash if self.calibration is not None else "none"

@@ -59,18 +59,6 @@ def slots_for(block_ids: Sequence[int], block_size: int, start: int, stop: int) 
     return blocks[pos // block_size] * block_size + pos % block_size
 
 
-def held_slots(
-    block_ids: Sequence[int], block_size: int, start: int, stop: int
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Slots of tokens ``start..stop-1`` in the blocks a group holds (skipping :data:`NULL_BLOCK`, a block a
-    sliding-window group dropped): ``(token offsets from start, or None for all of them; slots)``."""
-    slots = slots_for(block_ids, block_size, start, stop)
-    held = slots // block_size != NULL_BLOCK
-    if bool(held.all()):
-        return None, slots
-    return held.nonzero().flatten(), slots[held]
-
-
 class SharedIndex:
     """Storage offsets of one run of slots, computed once for all layer tensors that share a layout and strides."""
 
@@ -172,13 +160,43 @@ class PagedLayout:
         blk, off = slots // self.block_size, slots % self.block_size
         return (blk * st[0])[:, None, None] + lin[which][off]
 
-    def copy_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    def copy_blocks(
+        self, cache: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A contiguous copy of blocks ``block_ids`` of ``cache``, laid out like the cache (block ``i`` of the copy
-        is ``block_ids[i]``): whole blocks move as plain memory copies, and :meth:`gather` reads the copy later
-        with slots ``0..len(block_ids) * block_size - 1``."""
+        is ``block_ids[i]``), into ``out`` when given: whole blocks move as plain memory copies, and :meth:`gather`
+        reads the copy later with slots ``0..len(block_ids) * block_size - 1``."""
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-        axis = 1 if self.split in ("kv_first", "kv_first_hnd") else 0
-        return cache.index_select(axis, ids)
+        axis = self.block_axis()
+        if out is None:
+            return cache.index_select(axis, ids)
+        return torch.index_select(cache, axis, ids, out=out)
+
+    def block_axis(self) -> int:
+        """The axis of a layer tensor that indexes blocks."""
+        return 1 if self.split in ("kv_first", "kv_first_hnd") else 0
+
+    def write_blocks(
+        self,
+        cache: torch.Tensor,
+        block_ids: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        index: SharedIndex | None = None,
+    ) -> None:
+        """Write whole blocks: ``keys``/``values`` ``[len(block_ids) * block_size, heads, head_dim]`` fill blocks
+        ``block_ids`` in order. The blocks are laid out in a small contiguous buffer first (:meth:`scatter`), then
+        copied into the cache block by block: much faster than scattering into the large cache tensor."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        axis = self.block_axis()
+        shape = list(cache.shape)
+        shape[axis] = len(ids)
+        local = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        slots = torch.arange(len(ids) * self.block_size, dtype=torch.int64, device=cache.device)
+        self.scatter(local, slots, keys, values, k_scale, v_scale, index(self, local) if index is not None else None)
+        cache.index_copy_(axis, ids, local)
 
     def index(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Precomputed K and V storage offsets of ``slots`` for :meth:`gather` / :meth:`scatter` (``"probed"``

@@ -1,11 +1,12 @@
 """Worker side of the connector: the paged caches of one tensor-parallel rank, restored and stored by chunk.
 
 Runs in each vLLM worker process. ``register`` learns every layer's paged layout and KV-cache group and checks the
-calibration against the layout this rank holds; ``load`` decodes the chunks the scheduler planned, re-applies RoPE
-and writes each layer's slots in its group's blocks (a sliding-window group only has the window's); ``save`` copies
-completed chunks out of the cache and hands them to a background thread (:mod:`.saver`) that undoes RoPE, encodes
-them and puts them in the store. A request whose chunks cannot all be restored is reported to vLLM as a failed
-load (vLLM recomputes it, nothing is served from it), and the entries at fault as unusable.
+calibration against the layout this rank holds; ``load`` decodes the chunks the scheduler planned (the second half
+of a restore in the codec process, :mod:`.helper`, beside the worker), re-applies RoPE and writes each layer's
+blocks in its group (a sliding-window group only has the window's); ``save`` copies completed chunks out of the
+cache and hands them to the codec process, which undoes RoPE, encodes them and puts them in the store. A request
+whose chunks cannot all be restored is reported to vLLM as a failed load (vLLM recomputes it, nothing is served
+from it), and the entries at fault as unusable.
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import KVTCError, LayoutError
-from ...layout import KVLayout, KVSlice
+from ...layout import KVLayout
 from ...progress import StageTimer
 from ...store import Store
+from .chunks import ChunkCodec
 from .codecs import Codecs
 from .config import ConnectorSetup
 from .groups import CacheGroup, check_chunk
+from .helper import DEFAULT_MAX_PENDING_BYTES, CodecProcess, RestoreError
 from .metadata import KVTCWorkerMetadata, LoadJob, StoreJob
-from .paged import NULL_BLOCK, PagedLayout, SharedIndex, held_slots, probe_writer
-from .saver import DEFAULT_MAX_PENDING_BYTES, Background
+from .paged import NULL_BLOCK, PagedLayout, SharedIndex, probe_writer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,22 +62,10 @@ class _Layer:
     held: int = 0  # tokens the layer holds before the current one (0: all)
 
 
-@dataclass
-class _Copied:
-    """A completed chunk's blocks copied out of every layer's paged cache, waiting to be encoded and stored."""
-
-    job: StoreJob
-    blocks: list[torch.Tensor]  # per layer: the chunk's whole blocks, laid out like the cache
-    read_s: float
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.blocks)
-
-
 class WorkerSide:
     """The caches of rank ``rank`` and their store. ``vllm_config`` is read only to find the attention modules
-    of the registered caches. ``background=False`` encodes and stores inside :meth:`save` (tests)."""
+    of the registered caches. ``background=False``: no codec process; saves are encoded and stored inside
+    :meth:`save` and restores decoded by the worker alone (tests)."""
 
     def __init__(
         self,
@@ -98,18 +87,22 @@ class WorkerSide:
         self.layers: list[_Layer] = []
         self.modules: dict[str, Any] = {}
         self.layout: KVLayout | None = None
+        self.chunks: ChunkCodec | None = None
         self.verified = False
         self.loaded: set[str] = set()  # requests whose load finished since the last report
         self.failed: set[str] = set()  # ... of which these failed
         self._report_lock = threading.Lock()
         self.bad_keys: set[str] = set()
         self.unsaved: set[str] = set()
-        self._save_codecs = codecs.twin()  # the background thread's own codec objects
-        self.saver = Background("kvtc-save", self._store_copied, max_pending_bytes) if background else None
+        self.background = background
+        self.max_pending_bytes = max_pending_bytes
+        self.helper: CodecProcess | None = None
 
     def close(self) -> None:
-        if self.saver is not None and not self.saver.close(FLUSH_TIMEOUT_S):
-            logger.warning("KVTCConnector: %d chunks were still being stored at shutdown", self.saver.pending)
+        if self.helper is not None:
+            left = self.helper.pending
+            if not self.helper.close(FLUSH_TIMEOUT_S):
+                logger.warning("KVTCConnector: %d chunks were still being stored at shutdown", left)
         self.store.close()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -165,6 +158,13 @@ class WorkerSide:
         )
         check_chunk(self.setup.chunk, self.setup.block_size, self.layout.max_tokens)
         self.codecs.check(self.layout)  # at startup: this rank's layout against the calibration
+        model_id, namespace = self.setup.model_id, self.setup.namespace(self.rank)
+        self.chunks = ChunkCodec(self.codecs, self.layout, self.setup.chunk, model_id, self.store)
+        if self.background and self.helper is None:  # starts up (calibration, store) while the engine does
+            setup = ChunkCodec.setup(
+                self.setup.config, namespace, self.layout, self.codecs.rope, self.codecs.model, model_id
+            )
+            self.helper = CodecProcess(setup, self._saved, self.max_pending_bytes)
         logger.info(
             "KVTCConnector: %d layers in %d KV-cache group(s)%s, heads %s of %d, %s split, chunk %d tokens, "
             "store namespace %s",
@@ -201,6 +201,11 @@ class WorkerSide:
 
                 probed[sig] = probe_writer(layer.cache, write, len(self.heads), self.setup.head_dim, layer.cache.dtype)
             layer.paged = probed[sig]
+        assert self.chunks is not None
+        self.chunks.pageds = [x.paged for x in self.layers]
+        self.chunks.scales = [(x.k_scale, x.v_scale) for x in self.layers]
+        if self.helper is not None:
+            self.helper.send_layers(self.chunks.pageds, self.chunks.scales)
 
     # -- load ----------------------------------------------------------------------------------
     def load(self, jobs: list[LoadJob]) -> None:
@@ -227,54 +232,79 @@ class WorkerSide:
 
     def _load_one(self, job: LoadJob, clock: _Timings) -> bool:
         """Restore all of ``job`` (True), or report the first entry that cannot be restored (False)."""
-        chunk = self.setup.chunk
+        n = self.setup.chunk
+        chunks = [(key, job.first_chunk + i) for i, key in enumerate(job.keys)]
+        mine, theirs = chunks, []
+        helper = self.helper
+        if helper is not None and helper.alive and len(chunks) > 1:  # the codec process decodes the second half
+            half = (len(chunks) + 1) // 2
+            mine, theirs = chunks[:half], chunks[half:]
+        ticket = helper.request_restore(theirs) if theirs and helper is not None else None
+        if theirs and ticket is None:
+            mine, theirs = chunks, []
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, key in enumerate(job.keys):
-            c = job.first_chunk + i
-            lo, hi = max(job.start, c * chunk), min(job.stop, (c + 1) * chunk)
+        for key, c in mine:
             try:
                 with clock("store"):
                     blob = self.store.get(key)
                 if blob is None:
                     raise KVTCError("entry missing or corrupt in the store")
                 with clock("decode"):
-                    keys, values = self._decode(blob, c)
+                    parts.append(self.chunks.restore(blob, c))  # type: ignore[union-attr]
             except Exception as e:  # noqa: BLE001
-                logger.warning(
-                    "KVTCConnector: chunk %d of request %s (tokens %d..%d, key %s…) cannot be restored (%s); "
-                    "vLLM will recompute the request",
-                    c,
-                    job.req_id,
-                    lo,
-                    job.stop,
-                    key[:16],
-                    e,
-                )
-                self._forget(key)
+                self._refuse(job, key, c, e)
+                if ticket is not None:
+                    try:
+                        helper.restored(ticket)  # type: ignore[union-attr] - collected, then dropped
+                    except RestoreError:
+                        pass
                 return False
-            off = lo - c * chunk
-            parts.append((keys[off : off + hi - lo], values[off : off + hi - lo]))
+        if ticket is not None:
+            try:
+                with clock("wait"):
+                    parts.append(helper.restored(ticket))  # type: ignore[union-attr]
+            except RestoreError as e:
+                self._refuse(job, e.key, None, e)
+                return False
         with clock("write"):
             keys = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
             values = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-            for g, group in enumerate(self.groups):
-                sel, slots = held_slots(job.block_ids[g], group.block_size, job.start, job.stop)
-                if slots.numel() == 0:
-                    continue
-                k_g, v_g = (keys, values) if sel is None else (keys[sel], values[sel])
-                index = SharedIndex(slots)
-                for li, layer in enumerate(self.layers):
-                    if layer.group == g:
-                        layer.paged.scatter(
-                            layer.cache,
-                            slots,
-                            k_g[:, li],
-                            v_g[:, li],
-                            layer.k_scale,
-                            layer.v_scale,
-                            index(layer.paged, layer.cache),
-                        )
+            off = job.start - job.first_chunk * n  # the load may start inside its first chunk
+            self._write(job, keys[off : off + job.stop - job.start], values[off : off + job.stop - job.start])
         return True
+
+    def _refuse(self, job: LoadJob, key: str | None, chunk: int | None, e: Exception) -> None:
+        where = f"chunk {chunk} of request {job.req_id}" if chunk is not None else f"a chunk of request {job.req_id}"
+        logger.warning(
+            "KVTCConnector: %s (key %s…) cannot be restored (%s); vLLM will recompute the request",
+            where,
+            (key or "?")[:16],
+            e,
+        )
+        if key is not None:
+            self._forget(key)
+
+    def _write(self, job: LoadJob, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write tokens ``job.start..job.stop-1`` (whole blocks) into each layer's blocks in its group, skipping
+        the blocks a sliding-window group dropped."""
+        for g, group in enumerate(self.groups):
+            bs = group.block_size
+            if job.start % bs or job.stop % bs:
+                raise LayoutError(f"tokens {job.start}..{job.stop} are not whole blocks of {bs}")
+            ids = job.block_ids[g][job.start // bs : job.stop // bs]
+            kept = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
+            if not kept:
+                continue
+            sel = None
+            if len(kept) < len(ids):
+                sel = (torch.tensor(kept)[:, None] * bs + torch.arange(bs)).flatten()
+            k_g, v_g = (keys, values) if sel is None else (keys[sel], values[sel])
+            index = SharedIndex(torch.arange(len(kept) * bs, dtype=torch.int64))
+            for li, layer in enumerate(self.layers):
+                if layer.group == g:
+                    layer.paged.write_blocks(
+                        layer.cache, [ids[i] for i in kept], k_g[:, li], v_g[:, li], layer.k_scale, layer.v_scale, index
+                    )
 
     def _forget(self, key: str) -> None:
         """An entry that cannot be restored: removed from the store (this engine stores it again when it computes
@@ -285,24 +315,6 @@ class WorkerSide:
             pass
         with self._report_lock:
             self.bad_keys.add(key)
-
-    def _decode(self, blob: bytes, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-RoPE keys and values ``[chunk_tokens, layers, heads, head_dim]`` of stored chunk ``chunk``."""
-        assert self.layout is not None
-        codecs = self.codecs
-        kv = codecs.codec(self.layout, chunk == 0).decode(blob)
-        n = self.setup.chunk
-        if kv.layout != self.layout:
-            raise LayoutError(f"blob holds layout {kv.layout}, expected {self.layout}")
-        if kv.positions.shape != (1, n) or not torch.equal(
-            kv.positions[0], torch.arange(chunk * n, (chunk + 1) * n, dtype=torch.int64)
-        ):
-            raise LayoutError("blob holds other token positions than the chunk it is stored under")
-        if codecs.post_rope:
-            return kv.keys[0], kv.values[0]
-        assert codecs.rope is not None
-        keys = codecs.rope.apply(kv.keys.float(), kv.positions, self.layout.layers)[0]
-        return keys, kv.values[0]
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose load finished since the last call, and those of them that failed."""
@@ -322,99 +334,76 @@ class WorkerSide:
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, jobs: list[StoreJob]) -> None:
-        """Copy the completed chunks out of the cache and queue them for encoding and storing (a chunk that
-        cannot be copied or queued is only a future cache miss)."""
+        """Copy the completed chunks out of the cache and queue them for the codec process (a chunk that cannot
+        be copied or queued is only a future cache miss)."""
         if not jobs:
             return
         self._verify()
         clock = _Timings()
         for job in jobs:
-            t0 = time.perf_counter()
+            blocks: list[torch.Tensor] = []
+            queued = False
             try:
-                blocks = self._read(job)
+                with clock("read"):
+                    sources = self._sources(job)
+                    if self.helper is not None:
+                        queued = self.helper.submit(job.key, job.chunk, sources)
+                    else:
+                        blocks = [p.copy_blocks(c, ids) for p, c, ids in sources]
             except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
                 logger.warning("KVTCConnector: reading chunk %d of %s failed: %s", job.chunk, job.req_id, e)
                 self._unsaved(job.key)
                 continue
-            item = _Copied(job, blocks, time.perf_counter() - t0)
-            clock.add("read", item.read_s)
-            if self.saver is None:
-                self._store_copied(item)
-            elif self.saver.submit(item, item.nbytes):
+            if self.helper is None:
+                self._save_inline(job, blocks)
+            elif queued:
                 clock.tokens += self.setup.chunk
             else:
                 clock.refused += 1
                 self._unsaved(job.key)
-        if self.saver is not None:
+        if self.helper is not None:
             logger.debug("KVTCConnector: queued for storing %s", clock)
 
     def _unsaved(self, key: str) -> None:
         with self._report_lock:
             self.unsaved.add(key)
 
-    def _read(self, job: StoreJob) -> list[torch.Tensor]:
-        """The chunk's blocks in every layer, copied (plain memory copies; :meth:`_gather` reads them later)."""
+    def _sources(self, job: StoreJob) -> list[tuple[PagedLayout, torch.Tensor, list[int]]]:
+        """Per layer: its paged layout, its cache and the blocks holding the job's chunk."""
         n = self.setup.chunk
         start = job.chunk * n
-        copies: list[torch.Tensor | None] = [None] * len(self.layers)
+        blocks = []
         for g, group in enumerate(self.groups):
             bs = group.block_size
-            blocks = job.block_ids[g][start // bs : (start + n + bs - 1) // bs]
-            if len(blocks) * bs != n or NULL_BLOCK in blocks:
+            ids = job.block_ids[g][start // bs : (start + n + bs - 1) // bs]
+            if len(ids) * bs != n or NULL_BLOCK in ids:
                 raise LayoutError(f"KV-cache group {g} no longer holds the chunk's blocks")
-            for li, layer in enumerate(self.layers):
-                if layer.group == g:
-                    copies[li] = layer.paged.copy_blocks(layer.cache, blocks)
-        return copies  # type: ignore[return-value]
+            blocks.append(ids)
+        return [(layer.paged, layer.cache, blocks[layer.group]) for layer in self.layers]
 
-    def _gather(self, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[chunk_tokens, layers, heads, head_dim]`` in the cache dtype (fp8 caches: float32)
-        of a chunk's copied blocks."""
-        slots = torch.arange(self.setup.chunk, dtype=torch.int64)
-        index = SharedIndex(slots)
-        ks, vs = [], []
-        for layer, copy in zip(self.layers, blocks):
-            k, v = layer.paged.gather(copy, slots, layer.k_scale, layer.v_scale, index=index(layer.paged, copy))
-            ks.append(k)
-            vs.append(v)
-        return torch.stack(ks, dim=1), torch.stack(vs, dim=1)
-
-    def _store_copied(self, item: _Copied) -> None:
-        """Encode a copied chunk and put it in the store (on the background thread)."""
-        job = item.job
+    def _saved(self, key: str, size: int | None, seconds: dict[str, float], error: str | None) -> None:
+        """The word on one chunk's save (from the codec process's reply thread, or inline)."""
+        if error is not None:
+            logger.warning("KVTCConnector: storing the chunk under key %s… failed: %s", key[:16], error)
         clock = _Timings()
-        clock.add("read", item.read_s)
-        try:
-            blob = self._encode(item, clock)
-            with clock("store"):
-                stored = self.store.put(job.key, blob)
-        except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
-            logger.warning("KVTCConnector: storing chunk %d of %s failed: %s", job.chunk, job.req_id, e)
-            self._unsaved(job.key)
-            return
-        if stored:
-            clock.tokens += self.setup.chunk
-            clock.bytes += len(blob)
+        clock.seconds.update(seconds)
+        if size is not None:
+            clock.tokens, clock.bytes = self.setup.chunk, size
         else:
-            clock.refused += 1
-            self._unsaved(job.key)
-        logger.debug("KVTCConnector: stored %s", clock)
+            if error is None:
+                clock.refused += 1  # the store did not take it (e.g. larger than its max_bytes)
+            self._unsaved(key)
+        logger.debug("KVTCConnector: stored %s", clock.summary(sum(seconds.values())))
 
-    def _encode(self, item: _Copied, clock: _Timings) -> bytes:
-        assert self.layout is not None
-        n = self.setup.chunk
-        codecs = self._save_codecs
-        dt = self.layout.torch_dtype
-        positions = torch.arange(item.job.chunk * n, (item.job.chunk + 1) * n, dtype=torch.int64)[None]
-        with clock("gather"):
-            keys, values = self._gather(item.blocks)
-        keys, values = keys[None], values[None]  # [1, tokens, layers, heads, head_dim]
-        with clock("encode"):
-            if not codecs.post_rope:
-                assert codecs.rope is not None
-                keys = codecs.rope.invert(keys.float(), positions, self.layout.layers)
-            kv = KVSlice(self.layout, keys.to(dt), values.to(dt), positions, model_id=self.setup.model_id)
-            return codecs.codec(self.layout, item.job.chunk == 0).encode(kv)
+    def _save_inline(self, job: StoreJob, blocks: list[torch.Tensor]) -> None:
+        """Encode and store one chunk here (no codec process)."""
+        clock = _Timings()
+        try:
+            size = self.chunks.save(job.key, job.chunk, blocks, clock)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
+            self._saved(job.key, None, clock.seconds, f"{type(e).__name__}: {e}")
+            return
+        self._saved(job.key, size, clock.seconds, None)
 
 
 class _Timings(StageTimer):
@@ -434,6 +423,9 @@ class _Timings(StageTimer):
         self.refused = 0
 
     def __str__(self) -> str:
+        return self.summary(self.elapsed())
+
+    def summary(self, seconds: float) -> str:
         notes = [f"{k} {v:.3f}" for k, v in self.seconds.items()]
         if self.bytes:
             notes.append(f"{self.bytes} bytes")
@@ -441,4 +433,4 @@ class _Timings(StageTimer):
             notes.append(f"{self.failed} tokens not restored, recomputed by vLLM")
         if self.refused:
             notes.append(f"{self.refused} chunks refused by the store or dropped")
-        return f"{self.tokens} tokens in {self.elapsed():.3f} s ({', '.join(notes)})"
+        return f"{self.tokens} tokens in {seconds:.3f} s ({', '.join(notes)})"
