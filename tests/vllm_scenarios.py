@@ -280,47 +280,57 @@ def ttft(llm, tok, args) -> dict:
 def decode_while_storing(llm, tok, args) -> dict:
     """Decode speed of a batch of ``--decode-batch`` requests while ``--decode-long`` new ``--ttft``-token prompts
     arrive: their prefill runs in the batch's steps (in every engine alike), then the connector encodes and stores
-    their chunks on its background thread while the batch keeps decoding. Measured over the batch's steps after the
-    long prompts finished: tokens per second, and the window's wall-clock ends (``time.time()``, to set against
-    the connector's log)."""
+    their chunks in the background while the batch keeps decoding. Measured over the batch's steps after the long
+    prompts finished: tokens per second, and the window's wall-clock ends (``time.time()``, to set against the
+    connector's log). ``--decode-reps`` rounds, each with new prompts; ``tokens_per_s`` is their median."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvtc.assets import sotu_texts
 
-    ids = [t for text in sotu_texts(before=2000)[:40] for t in tok(text, add_special_tokens=False)["input_ids"]]
+    ids = [t for text in sotu_texts(before=2000)[:60] for t in tok(text, add_special_tokens=False)["input_ids"]]
     engine = llm.llm_engine
     dec = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    for b in range(args.decode_batch):
-        engine.add_request(f"dec{b}", TokensPrompt(prompt_token_ids=ids[b * 64 : (b + 1) * 64]), dec)
-    base = args.decode_batch * 64
-    produced = dict.fromkeys((f"dec{b}" for b in range(args.decode_batch)), 0)
-    for _ in range(4):  # the batch is decoding
-        for o in engine.step():
-            if o.request_id in produced:
-                produced[o.request_id] = len(o.outputs[0].token_ids)
-    for j in range(args.decode_long):
-        long = ids[base + j * args.ttft : base + (j + 1) * args.ttft]
-        engine.add_request(f"long{j}", TokensPrompt(prompt_token_ids=long), SamplingParams(max_tokens=1))
-    longs = set(f"long{j}" for j in range(args.decode_long))
-    t0 = tokens0 = None
-    steps = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id in produced:
-                produced[o.request_id] = len(o.outputs[0].token_ids)
-            elif o.finished:
-                longs.discard(o.request_id)
-        if t0 is None and not longs:
-            t0, w0, tokens0 = time.perf_counter(), time.time(), sum(produced.values())
-        elif t0 is not None:
-            steps += 1
-        if t0 is not None and min(produced.values()) >= args.decode_tokens:
-            break
-    elapsed = time.perf_counter() - t0
-    tokens = sum(produced.values()) - tokens0
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
-            "window": [w0, time.time()], "batch": args.decode_batch, "long_prompts": args.decode_long}  # fmt: skip
+    per_round = args.decode_batch * 64 + args.decode_long * args.ttft
+    rounds = []
+    stores = args.mode != "none"
+    for r in range(args.decode_reps):
+        before = store_entries(args.store) if stores else 0
+        base = r * per_round
+        names = [f"r{r}dec{b}" for b in range(args.decode_batch)]
+        for b, name in enumerate(names):
+            engine.add_request(name, TokensPrompt(prompt_token_ids=ids[base + b * 64 : base + (b + 1) * 64]), dec)
+        produced = dict.fromkeys(names, 0)
+        for _ in range(4):  # the batch is decoding
+            for o in engine.step():
+                if o.request_id in produced:
+                    produced[o.request_id] = len(o.outputs[0].token_ids)
+        start = base + args.decode_batch * 64
+        longs = {f"r{r}long{j}" for j in range(args.decode_long)}
+        for j in range(args.decode_long):
+            long = ids[start + j * args.ttft : start + (j + 1) * args.ttft]
+            engine.add_request(f"r{r}long{j}", TokensPrompt(prompt_token_ids=long), SamplingParams(max_tokens=1))
+        t0 = tokens0 = w0 = None
+        steps = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id in produced:
+                    produced[o.request_id] = len(o.outputs[0].token_ids)
+                elif o.finished:
+                    longs.discard(o.request_id)
+            if t0 is None and not longs:
+                t0, w0, tokens0 = time.perf_counter(), time.time(), sum(produced.values())
+            elif t0 is not None:
+                steps += 1
+        elapsed = time.perf_counter() - t0
+        tokens = sum(produced.values()) - tokens0
+        rounds.append({"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "steps": steps,
+                       "window": [w0, time.time()]})  # fmt: skip
+        if stores:  # the next round starts once these chunks are stored
+            wait_for_entries(args.store, before + args.decode_long * (args.ttft // args.chunk))
+    rates = sorted(x["tokens_per_s"] for x in rounds)
+    return {"rounds": rounds, "tokens_per_s": rates[len(rates) // 2], "batch": args.decode_batch,
+            "long_prompts": args.decode_long}  # fmt: skip
 
 
 def main() -> None:
@@ -350,6 +360,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=0)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-long", type=int, default=2)
+    ap.add_argument("--decode-reps", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
