@@ -66,9 +66,12 @@ PACKAGE = HERE.parent / "src" / "kvtc" / "integrations" / "vllm"
 
 
 def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
-    """Run one engine scenario (``vllm_scenarios.py run ...``) in its own process; its result and stderr."""
+    """Run one engine scenario (``vllm_scenarios.py run ...``) in its own process; its result and stderr.
+
+    Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (docs/VLLM.md): the model gets the same OpenMP
+    threads with and without the connector, and the connector's codec process the CPU vLLM leaves free."""
     out = tmp / f"{name}.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", **(env or {}))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="1", **(env or {}))
     p = subprocess.run(
         [sys.executable, str(SCENARIOS), "run", *args, "--out", str(out)],
         capture_output=True,
@@ -150,6 +153,7 @@ def test_connector_touches_vllm_only_through_its_api():
         "vllm.forward_context",
         "vllm.v1.core.kv_cache_manager",
         "vllm.v1.core.sched.output",
+        "vllm.v1.outputs",  # KVConnectorOutput: what update_connector_output receives
         "vllm.v1.kv_cache_interface",
         "vllm.v1.request",
     }

