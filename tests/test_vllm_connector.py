@@ -65,7 +65,7 @@ VLLM_OBJECTS = {
 PACKAGE = HERE.parent / "src" / "kvtc" / "integrations" / "vllm"
 
 
-def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
+def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None, cmd: str = "run") -> tuple[dict, str]:
     """Run one engine scenario (``vllm_scenarios.py run ...``) in its own process; its result and stderr.
 
     Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (docs/VLLM.md): the model gets the same OpenMP
@@ -73,7 +73,7 @@ def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) ->
     out = tmp / f"{name}.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="1", **(env or {}))
     p = subprocess.run(
-        [sys.executable, str(SCENARIOS), "run", *args, "--out", str(out)],
+        [sys.executable, str(SCENARIOS), cmd, *args, "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,

@@ -2,6 +2,7 @@
 benchmarks/vllm_ttft.py (vLLM spawns processes, so every engine lives in its own ``python`` process).
 
     python tests/vllm_scenarios.py run --mode {none,identity,kvtc} --store URL --out result.json [options]
+    python tests/vllm_scenarios.py mla --mode {none,identity} --store URL --out result.json
 
 One run starts one engine (``LLM``) on ``--model`` (``smollm2``: SmolLM2-135M-Instruct; ``gemma3``: Gemma-3-270M,
 sliding-window and global layers), serves the prompts of the scenario and writes a JSON result: greedy tokens,
@@ -333,9 +334,55 @@ def decode_while_storing(llm, tok, args) -> dict:
             "long_prompts": args.decode_long}  # fmt: skip
 
 
+def tiny_deepseek(path: str) -> None:
+    """A DeepSeek-V2-style config with multi-head latent attention, small enough for random weights
+    (``load_format="dummy"``): 2 dense layers, a 512 + 64 latent per token as vLLM's MLA kernels expect."""
+    from transformers import DeepseekV2Config
+
+    DeepseekV2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        architectures=["DeepseekV2ForCausalLM"],
+    ).save_pretrained(path)  # fmt: skip
+
+
+def mla(args) -> dict:
+    """Start an engine on :func:`tiny_deepseek` (random weights), with the connector unless ``--mode none``, and
+    generate a few tokens; an engine that fails to start is reported with the error's text."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = os.path.join(os.path.dirname(args.out) or ".", "tiny-deepseek")
+    tiny_deepseek(path)
+    kw = {}
+    if args.mode != "none":
+        from vllm.config import KVTransferConfig
+
+        extra = {"codec": args.mode, "store": args.store}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTCConnector",
+            kv_connector_module_path="kvtc.integrations.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    try:
+        llm = LLM(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+                  enforce_eager=True, seed=0, **kw)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the outcome under test
+        return {"started": False, "error": f"{type(e).__name__}: {e}"}
+    try:
+        sp = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+        o = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 40)))], sp, use_tqdm=False)
+        return {"started": True, "tokens": list(o[0].outputs[0].token_ids)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["run"])
+    ap.add_argument("cmd", choices=["run", "mla"])
     ap.add_argument("--mode", choices=["none", "identity", "kvtc"], required=True)
     ap.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     ap.add_argument("--scored", type=int, default=SCORED_TOKENS)
@@ -364,7 +411,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    res = run(args)
+    res = run(args) if args.cmd == "run" else mla(args)
     with open(args.out, "w") as f:
         json.dump(res, f)
     print(f"wrote {args.out}", file=sys.stderr)
