@@ -100,7 +100,8 @@ def check_chunk(chunk: int, block: int, held: tuple[int, ...]) -> None:
     fix = (
         f"set chunk_tokens to a multiple of {block} no larger than {most}, such as {fit}"
         if fit
-        else f"start vLLM with a KV block size of at most {most} tokens (--block-size) so that a chunk fits"
+        else f"start vLLM with --block-size {1 << (most.bit_length() - 1)} (or smaller) and set chunk_tokens to a "
+        f"multiple of it no larger than {most}"
     )
     raise ConfigError(
         f"{WHERE}: chunk_tokens={chunk} is longer than the {most} tokens a sliding-window layer of the served "
