@@ -55,7 +55,11 @@ def _texts(names: Sequence[str]) -> list[str]:
 def _load_calibration(cfg: EvalConfig) -> tuple[Calibration, str]:
     from ..integrations.hf_calibrate import default_calibration_path
 
-    name = Path(cfg.calibration).name if cfg.calibration else default_calibration_path().name
+    embedded = assets.embedded_model(cfg.model)
+    if cfg.calibration:
+        name = Path(cfg.calibration).name
+    else:  # a model that is not embedded has no default calibration: load_calibration says so
+        name = default_calibration_path(model=embedded.key).name if embedded else DEFAULT_CALIBRATION
     return load_calibration(cfg.calibration or DEFAULT_CALIBRATION, model=cfg.model, progress=cfg.progress), name
 
 
@@ -183,7 +187,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     with timer("load"):
         model, tok = assets.load_model(cfg.model, dtype=torch.float32, device=cfg.device)
         cal, cal_name = _load_calibration(cfg)
-    out["model"] = cfg.model if cfg.model != "default" else assets.DEFAULT_MODEL
+    embedded = assets.embedded_model(cfg.model)
+    out["model"] = embedded.name if embedded is not None else cfg.model
     out["calibration"] = {
         "name": cal_name,
         "fingerprint": cal.fingerprint,
@@ -233,7 +238,9 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
             from ..integrations.hf_calibrate import default_calibration
 
             with timer("ablation_calibration"):
-                plain = Calibration.load(default_calibration(RECIPES[UNWEIGHTED_RECIPE], progress=cfg.progress))
+                plain = Calibration.load(
+                    default_calibration(RECIPES[UNWEIGHTED_RECIPE], progress=cfg.progress, model=cfg.model)
+                )
             out["ablation_calibration"]["unweighted"] = {"fingerprint": plain.fingerprint, "corpus": plain.corpus}
             methods += [
                 KVTC(plain, r, name="kvtc-unweighted", label=f"kvtc without sensitivity weighting {r:g}x")
