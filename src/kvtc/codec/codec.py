@@ -26,7 +26,7 @@ from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
 from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
-from . import container, info, spans
+from . import budget, container, info, spans
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
@@ -59,7 +59,7 @@ class Codec:
         packing: str = "bits",
         device: torch.device | str = "cpu",
         precision: str = "fp32",
-        max_decoded_bytes: int = container.DEFAULT_MAX_DECODED_BYTES,
+        max_decoded_bytes: int = budget.DEFAULT_MAX_DECODED_BYTES,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
@@ -127,7 +127,7 @@ class Codec:
             ratio=self.ratio,
             packing=self.packing,
         )
-        container.check_sparsity(header)
+        budget.check_sparsity(header)
         payloads: list[tuple[str, Any]] = [("positions", le_bytes(kv.positions))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
             prot = spans.protected(t, header)
@@ -196,7 +196,7 @@ class Codec:
             pinned = blob if blob.is_pinned() else None
             blob = memoryview(blob.numpy())
         header, body = container.read_header(blob)
-        container.check_budget(header, len(blob), self.max_decoded_bytes)
+        budget.check_budget(header, len(blob), self.max_decoded_bytes)
         if header.mode == "kvtc":
             cal = self.calibration
             if cal is None or header.calibration != cal.hash:
