@@ -26,7 +26,7 @@ from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
 from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
-from . import container
+from . import container, gpu_decode, gpu_write
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
@@ -142,11 +142,21 @@ class Codec:
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
                 _, mid = self._split(t, s, w)
                 with clock("to_rows"):
-                    rows = mid.reshape(-1, lay.num_features).to(self.device)
-                    if not (self._fused and self.precision in ("bf16", "fp8")):
-                        rows = rows.float()
+                    if self._fused and self.precision == "fp8" and mid.device == self.device:
+                        rows = mid.reshape(B, -1, lay.num_features)  # a view: the fp8 projection reads in place
+                    else:
+                        rows = mid.reshape(-1, lay.num_features).to(self.device)
+                        if not (self._fused and self.precision in ("bf16", "fp8")):
+                            rows = rows.float()
                 payloads.extend(self._encode_rows(kind, rows, clock))
         with clock("entropy"):
+            coder = device_coder(self.backend, self.device) if self._fused else None
+            if (
+                coder is not None
+                and gpu_write.supported(coder)
+                and any(isinstance(d, torch.Tensor) for _, d in payloads)
+            ):
+                return gpu_write.write(header, payloads, self.backend, coder, timings, out)
             payloads = self._host_payloads(payloads, clock)
             return container.write(header, payloads, self.backend, timings, out)
 
@@ -187,6 +197,18 @@ class Codec:
     def _open(
         self, blob: bytes | torch.Tensor, on_device: bool = False, deferred: list[Any] | None = None
     ) -> tuple[container.Header, dict[str, Any]]:
+        blob, pinned, header, body = self._checked_header(blob)
+        expected = self._expected_sections(header)
+        if on_device and self._fused:
+            for name in dict.fromkeys(x.backend for x in header.sections):
+                coder = device_coder(name, self.device)
+                if coder is not None:
+                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
+        return header, container.read_sections(blob, header, body, expected)
+
+    def _checked_header(self, blob: bytes | torch.Tensor) -> tuple[Any, Any, container.Header, int]:
+        """(the blob as a buffer, the blob as a pinned tensor or None, its header, body offset), after the checks
+        every decode makes before reading a section: header, decoding budget, calibration, ratio."""
         pinned = None
         if isinstance(blob, torch.Tensor):  # a blob held in (pinned) host memory as a uint8 tensor
             if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
@@ -205,13 +227,7 @@ class Codec:
             cal.check_layout(header.layout)
             if header.ratio is None or header.ratio not in cal.plans:
                 raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
-        expected = self._expected_sections(header)
-        if on_device and self._fused:
-            for name in dict.fromkeys(x.backend for x in header.sections):
-                coder = device_coder(name, self.device)
-                if coder is not None:
-                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
-        return header, container.read_sections(blob, header, body, expected)
+        return blob, pinned, header, body
 
     def _expected_sections(self, h: container.Header) -> dict[str, int]:
         lay = h.layout
@@ -237,8 +253,12 @@ class Codec:
         """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
         (default: CPU). ``blob``: bytes, or a 1-D uint8 CPU tensor holding them (pinned host memory lets a GPU
         codec copy the coded streams to the device without staging)."""
-        clock = stage_clock(timings)
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
+        if self._fused and out_dev == self.device:
+            fast = gpu_decode.decode(self, blob, timings)
+            if fast is not None:
+                return fast
+        clock = stage_clock(timings)
         checks: list[Any] = []  # checksums still running on host threads (GPU path): verified before returning
         with clock("parse"):
             header, secs = self._open(blob, on_device=True, deferred=checks)
@@ -326,6 +346,11 @@ class Codec:
         (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
         layer's basis columns only."""
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
+        if self._fused and out_dev == self.device:
+            fast = gpu_decode.decode_layers(self, blob)
+            if fast is not None:
+                yield from fast
+                return
         header, secs = self._open(blob, on_device=True)
         lay = header.layout
         B, T = header.batch, header.tokens
