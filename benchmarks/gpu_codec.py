@@ -32,6 +32,7 @@ Per case and projection precision (bf16, fp8):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -111,6 +112,12 @@ CONFIGS = {
 
 def sync() -> None:
     torch.cuda.synchronize()
+
+
+def free() -> None:
+    """Collect garbage and return cached device memory (between measurements)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def timed(fn, reps: int = 3):
@@ -289,13 +296,16 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str) -> dict
         try:
             codec = Codec(cal, ratio=ratio, device="cuda", precision=precision, backend=res["backend"])
             t_enc, blob = timed(lambda: codec.encode(kv), reps=3)
+            say(f"{label} {precision}: compress to bytes {t_enc * 1e3:.1f} ms")
             # what an offload tier does: encode into a pinned host buffer it keeps and reuses (no fresh pages)
             pbuf = torch.empty(len(blob) + (1 << 20), dtype=torch.uint8, pin_memory=True)
             t_enc_into, view = timed(lambda: codec.encode(kv, out=pbuf), reps=5)
+            say(f"{label} {precision}: compress into pinned {t_enc_into * 1e3:.1f} ms")
             same = bytes(view.numpy()) == blob  # the same bytes either way
             # the blob held in pinned host memory (what an offload tier keeps); decoding bytes needs a staging copy
             pblob = torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory()
             t_dec, out = timed(lambda: codec.decode(pblob, device="cuda"), reps=5)
+            say(f"{label} {precision}: decompress {t_dec * 1e3:.1f} ms")
             t_dec_bytes, _ = timed(lambda: codec.decode(blob, device="cuda"), reps=2)
             st_e, st_d = {}, {}
             codec.encode(kv, timings=st_e, out=pbuf)
@@ -336,8 +346,8 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str) -> dict
                 f"e={ {k: round(v * 1e3, 1) for k, v in st_e.items()} } "
                 f"d={ {k: round(v * 1e3, 1) for k, v in st_d.items()} }"
             )
-            del pbuf, pblob, blob
-            torch.cuda.empty_cache()
+            del pbuf, pblob, blob, codec, view
+            free()
         except Exception as e:  # noqa: BLE001 - keep the other measurements
             import traceback
 
@@ -350,7 +360,7 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str) -> dict
         }
         say(f"{label} fp8 vs bf16 reconstruction: {res['fp8_vs_bf16_relative_sq_difference']}")
     outs.clear()
-    torch.cuda.empty_cache()
+    free()
     return res
 
 
@@ -452,6 +462,18 @@ def run_case(model, name: str, case: str, args, ceil: dict, say, recompute: dict
     vocab = model.config.vocab_size
     g = torch.Generator(device="cuda").manual_seed(7)
     ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)
+    if recompute is None:  # first, on a GPU holding only the model
+
+        def recompute_fn():
+            from transformers import DynamicCache
+
+            out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1].argmax(-1)
+
+        t_rec, tok_ref = timed(recompute_fn, reps=2)
+        recompute = {"recompute_prefill_s": t_rec, "tokens": tok_ref}
+        free()
+        say(f"{name}: recompute {t_rec * 1e3:.0f} ms")
     src = None
     t0 = time.perf_counter()
     if case == "random":
@@ -481,42 +503,48 @@ def run_case(model, name: str, case: str, args, ceil: dict, say, recompute: dict
         kv = synthetic_slice(src, layout, batch, seq)
     res.update(bench_throughput(kv, cal, args.ratio, ceil, say, f"{name}/{case}"))
     del kv
-    torch.cuda.empty_cache()
+    free()
+    say(f"{name}/{case}: throughput done")
     # TTFT: the cache holds the prefix (all tokens but the last); feeding the last token predicts what recomputing
     # the whole prefill predicts
-    if recompute is None:
-
-        def recompute_fn():
-            from transformers import DynamicCache
-
-            out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-            return out.logits[:, -1].argmax(-1)
-
-        t_rec, tok_ref = timed(recompute_fn, reps=2)
-        recompute = {"recompute_prefill_s": t_rec, "tokens": tok_ref}
     precision = "fp8" if "error" not in res.get("fp8", {"error": 1}) else "bf16"
     codec = Codec(cal, ratio=args.ratio, device="cuda", precision=precision, backend=gpu_backend())
-    if case == "random":
-        kv, _ = prefill_kv(model, ids[:, :-1])
-    else:
-        kv = synthetic_slice(src, layout, batch, seq - 1)
-    t = bench_ttft(model, codec, kv, ids, say, f"{name}/{case}")
-    del kv
-    toks = t.pop("tokens")
-    t["recompute_prefill_s"] = recompute["recompute_prefill_s"]
-    t["speedup"] = t["recompute_prefill_s"] / t["from_compressed_host_blob_s"]
-    t["speedup_whole_decode"] = t["recompute_prefill_s"] / t["from_compressed_host_blob_whole_decode_s"]
-    if case == "random":
-        ref = recompute["tokens"]
-        t["first_token_agrees_with_recompute"] = int((toks["layers"] == ref).sum()) / batch
-        t["raw_first_token_agrees_with_recompute"] = int((toks["raw"] == ref).sum()) / batch
-        t["identity_lossless"] = identity_check(model, ids, min(2, batch), say)
-    else:
-        t["note"] = "synthetic KV in a random-weight model: timing only, the token is not comparable"
-    say(f"{name}/{case}: TTFT {t['from_compressed_host_blob_s'] * 1e3:.0f} ms, {t['speedup']:.1f}x below recompute")
+    try:
+        if case == "random":
+            kv, _ = prefill_kv(model, ids[:, :-1])
+        else:
+            kv = synthetic_slice(src, layout, batch, seq - 1)
+        t = bench_ttft(model, codec, kv, ids, say, f"{name}/{case}")
+        del kv
+        free()
+        toks = t.pop("tokens")
+        t["recompute_prefill_s"] = recompute["recompute_prefill_s"]
+        t["speedup"] = t["recompute_prefill_s"] / t["from_compressed_host_blob_s"]
+        t["speedup_whole_decode"] = t["recompute_prefill_s"] / t["from_compressed_host_blob_whole_decode_s"]
+        if case == "random":
+            ref = recompute["tokens"]
+            t["first_token_agrees_with_recompute"] = int((toks["layers"] == ref).sum()) / batch
+            t["raw_first_token_agrees_with_recompute"] = int((toks["raw"] == ref).sum()) / batch
+        else:
+            t["note"] = "synthetic KV in a random-weight model: timing only, the token is not comparable"
+        say(f"{name}/{case}: TTFT {t['from_compressed_host_blob_s'] * 1e3:.0f} ms, {t['speedup']:.1f}x below recompute")
+    except Exception as e:  # noqa: BLE001 - keep what was measured
+        import traceback
+
+        traceback.print_exc()
+        t = {"error": repr(e)}
     res["ttft"] = t
     del cal, codec, src
-    torch.cuda.empty_cache()
+    free()
+    if case == "random":
+        try:
+            t["identity_lossless"] = identity_check(model, ids, min(2, batch), say)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            t["identity_lossless"] = {"error": repr(e)}
+        free()
     return res, recompute
 
 
@@ -541,7 +569,8 @@ def main() -> None:
     t_start = time.time()
 
     def say(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+        mem = torch.cuda.memory_allocated() / 2**30
+        print(f"[{time.time() - t_start:7.1f}s {mem:5.1f} GiB] {msg}", flush=True)
 
     import transformers
     import triton
@@ -571,7 +600,14 @@ def main() -> None:
         result["models"][name] = {}
         recompute = None
         for case in args.cases.split(","):
-            r, recompute = run_case(model, name, case, args, result["ceilings"], say, recompute)
+            try:
+                r, recompute = run_case(model, name, case, args, result["ceilings"], say, recompute)
+            except Exception as e:  # noqa: BLE001 - keep the other case
+                import traceback
+
+                traceback.print_exc()
+                r = {"error": repr(e)}
+            free()
             result["models"][name][case] = r
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1, default=float))

@@ -142,7 +142,7 @@ class Codec:
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
                 _, mid = self._split(t, s, w)
                 with clock("to_rows"):
-                    if self._fused and self.precision == "fp8" and mid.device == self.device:
+                    if self._fused and self.precision == "fp8" and self._same_gpu(mid):
                         rows = mid.reshape(B, -1, lay.num_features)  # a view: the fp8 projection reads in place
                     else:
                         rows = mid.reshape(-1, lay.num_features).to(self.device)
@@ -159,6 +159,11 @@ class Codec:
                 return gpu_write.write(header, payloads, self.backend, coder, timings, out)
             payloads = self._host_payloads(payloads, clock)
             return container.write(header, payloads, self.backend, timings, out)
+
+    def _same_gpu(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies on this codec's CUDA device (``cuda`` and ``cuda:N`` alike)."""
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return t.is_cuda and t.device.index == idx
 
     def _on_fused_device(self, t: torch.Tensor) -> bool:
         return self._fused and t.device.type == "cuda"

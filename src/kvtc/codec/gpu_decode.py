@@ -8,7 +8,7 @@ values. Each phase's coded words go to the device on a copy stream and its entro
 the host then queues the keys' unpack+dequantize and reconstruction and only then parses the values' streams, so
 the values' copy and parsing run while the keys are being reconstructed. Nothing waits for the device in between:
 the entropy decoder raises a device flag on a corrupt block, and the CRC-32 of every section runs on host threads
-meanwhile; both are checked before anything is returned (:meth:`Codec.decode`) or yielded
+meanwhile (started once the first phase is queued, so that they do not compete with its parsing); both are checked before anything is returned (:meth:`Codec.decode`) or yielded
 (:meth:`Codec.decode_layers`, which checks them once every coefficient is decoded and then reconstructs one layer
 at a time, each layer's product queued and handed over without waiting for the device, so an engine can queue its
 own work on layer 0 while later layers are still being computed).
@@ -81,7 +81,7 @@ class _Job:
         self.codec, self.coder, self.header = codec, coder, header
         self.chunks, self.offsets, self.pinned = chunks, offsets, pinned
         self.device = codec.device
-        self.pending = crc32_submit(chunks)
+        self.pending: Any = None
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.secs: dict[str, Any] = {}
         self.stream = _copy_stream(self.device)
@@ -102,6 +102,8 @@ class _Job:
             )
             outs = self.coder.decode_device(st, self.err)
             self.secs.update({self.header.sections[i].name: t for i, t in zip(dev, outs)})
+        if self.pending is None:  # checksums start once the first phase is queued: the host threads that run
+            self.pending = crc32_submit(self.chunks)  # them would otherwise slow its parsing down
 
     def plan(self, kind: str) -> PlanLayout:
         cache = self.codec.__dict__.setdefault("_gpu_plan_cache", {})
