@@ -449,6 +449,7 @@ def identity_check(model, ids, n: int, say) -> dict:
     return r
 
 
+@torch.no_grad()
 def run_case(model, name: str, case: str, args, ceil: dict, say, recompute: dict | None) -> tuple[dict, dict]:
     """Calibrate and measure one case on one model."""
     from kvtc.integrations.hf import describe_model
