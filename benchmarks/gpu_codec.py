@@ -450,8 +450,10 @@ def identity_check(model, ids, n: int, say) -> dict:
 
 
 @torch.no_grad()
-def run_case(model, name: str, case: str, args, ceil: dict, say, recompute: dict | None) -> tuple[dict, dict]:
-    """Calibrate and measure one case on one model."""
+def run_case(
+    model, name: str, case: str, args, ceil: dict, say, recompute: dict | None, save=lambda r: None
+) -> tuple[dict, dict]:
+    """Calibrate and measure one case on one model; ``save(partial result)`` after each stage."""
     from kvtc.integrations.hf import describe_model
 
     quick = args.quick
@@ -498,6 +500,7 @@ def run_case(model, name: str, case: str, args, ceil: dict, say, recompute: dict
     cstats["kept_components"] = kept(cal, args.ratio)
     say(f"{name}/{case}: calibration {cstats['fit_s']:.1f}s kept {cstats['kept_components']}")
     res: dict = {"case": case, "batch": batch, "tokens": seq, "ratio": args.ratio, "calibration": cstats}
+    save(res)
     if case == "random":
         kv, _ = prefill_kv(model, ids)
     else:
@@ -505,6 +508,7 @@ def run_case(model, name: str, case: str, args, ceil: dict, say, recompute: dict
     res.update(bench_throughput(kv, cal, args.ratio, ceil, say, f"{name}/{case}"))
     del kv
     free()
+    save(res)
     say(f"{name}/{case}: throughput done")
     # TTFT: the cache holds the prefix (all tokens but the last); feeding the last token predicts what recomputing
     # the whole prefill predicts
@@ -601,8 +605,14 @@ def main() -> None:
         result["models"][name] = {}
         recompute = None
         for case in args.cases.split(","):
+
+            def save(r: dict, name: str = name, case: str = case) -> None:
+                result["models"][name][case] = r
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1, default=float))
+
             try:
-                r, recompute = run_case(model, name, case, args, result["ceilings"], say, recompute)
+                r, recompute = run_case(model, name, case, args, result["ceilings"], say, recompute, save)
             except Exception as e:  # noqa: BLE001 - keep the other case
                 import traceback
 
