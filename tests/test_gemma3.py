@@ -71,10 +71,10 @@ def test_lossless_store_holds_only_what_each_layer_holds_and_continues_identical
 
 @pytest.fixture(scope="module")
 def small_calibration(gemma3_model):
-    """A quick real calibration of Gemma-3 (8K tokens of pre-2000 speeches, no sensitivity pass)."""
+    """A quick real calibration of Gemma-3 (4K tokens of pre-2000 speeches, no sensitivity pass)."""
     model, tok = gemma3_model
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
-    recipe = Recipe(tokens=8160, ratios=(8, 16), sensitivity="none", dp_rows=4096)
+    recipe = Recipe(tokens=4080, ratios=(16,), sensitivity="none", dp_rows=2048)
     return calibrate_model(model, tok, texts, recipe, progress=False)
 
 
@@ -96,7 +96,8 @@ def test_coded_cache_reconstructs_both_kinds_of_layer(gemma3_model, prefilled, s
             assert rel < 0.5, (group, kind, rel)
             exact_tail = torch.cat([getattr(restored.layers[i], kind)[:, :, -128:] for i in layers])
             want_tail = torch.cat([getattr(cache.layers[i], kind)[:, :, -128:] for i in layers])
-            assert torch.allclose(exact_tail, want_tail, rtol=1e-2, atol=1e-2)  # bf16 storage of the raw window
+            tail = float((exact_tail - want_tail).double().norm() / want_tail.double().norm())
+            assert tail < 1e-2, (group, kind, tail)  # the recent window is stored raw (bf16: ~0.3% error)
     with torch.inference_mode():
         exact = torch.log_softmax(model(first, past_key_values=copy.deepcopy(cache)).logits[0, -1].float(), -1)
         lossy = torch.log_softmax(model(first, past_key_values=restored).logits[0, -1].float(), -1)

@@ -159,10 +159,7 @@ def write(
         for (name, data), (used, coded), crc in zip(payloads, coded_all, crcs)
     ]
     header.sections = sections
-    hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
-    if len(hdr) > MAX_HEADER_BYTES:
-        raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
-    parts = [PREFIX.pack(MAGIC, header.version, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies]
+    parts = [prefix_and_header(header), *bodies]
     blob = b"".join(parts) if out is None else write_into(out, parts)
     if timings is not None:
         timings.update(
@@ -171,15 +168,18 @@ def write(
     return blob
 
 
-def write_into(out: Any, parts: list[Any]) -> Any:
-    """Copy ``parts`` back to back into ``out`` (a 1-D uint8 CPU tensor, e.g. pinned host memory, or any writable
-    bytes-like object: bytearray, memoryview, numpy array, mmap) and return the used prefix as a view of ``out``
-    (a tensor slice for a tensor, else a memoryview). Large copies run on host threads. A buffer that is too
-    small or not writable raises :class:`~kvtc.errors.OutputBufferError` before anything is written."""
-    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
-    total = sum(len(v) for v in views)
-    tensor = isinstance(out, torch.Tensor)
-    if tensor:
+def prefix_and_header(header: Header) -> bytes:
+    """The container's first bytes: the prefix and the JSON header of ``header`` (its sections filled in)."""
+    hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
+    return PREFIX.pack(MAGIC, header.version, 0, len(hdr), zlib.crc32(hdr)) + hdr
+
+
+def output_buffer(out: Any, total: int) -> np.ndarray:
+    """``out`` (see :func:`write_into`) as a writable uint8 numpy array, checked to hold ``total`` bytes: raises
+    :class:`~kvtc.errors.OutputBufferError` (nothing written) for a buffer of the wrong kind, read-only or small."""
+    if isinstance(out, torch.Tensor):
         if out.device.type != "cpu" or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
             raise OutputBufferError(
                 "an output tensor must be a contiguous 1-D uint8 CPU tensor (e.g. pinned host memory)"
@@ -199,17 +199,41 @@ def write_into(out: Any, parts: list[Any]) -> Any:
         raise OutputBufferError(
             f"the blob needs {total} bytes and the output buffer holds {dst.size}; pass a larger buffer", needed=total
         )
+    return dst
+
+
+def blob_view(out: Any, total: int) -> Any:
+    """The first ``total`` bytes of ``out`` as :func:`write_into` returns them (a tensor slice or a memoryview)."""
+    return out[:total] if isinstance(out, torch.Tensor) else memoryview(out).cast("B")[:total]
+
+
+def copy_pieces(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Run ``np.copyto(dst, src)`` for each pair, large ones cut in pieces on host threads (numpy drops the GIL)."""
+    cut = []
+    for dst, src in jobs:
+        for a in range(0, len(src), PIECE):
+            cut.append((dst[a : a + PIECE], src[a : a + PIECE]))
+    if len(cut) > 1:
+        list(default_pool().map(lambda j: np.copyto(j[0], j[1]), cut))
+    elif cut:
+        np.copyto(cut[0][0], cut[0][1])
+
+
+def write_into(out: Any, parts: list[Any]) -> Any:
+    """Copy ``parts`` back to back into ``out`` (a 1-D uint8 CPU tensor, e.g. pinned host memory, or any writable
+    bytes-like object: bytearray, memoryview, numpy array, mmap) and return the used prefix as a view of ``out``
+    (a tensor slice for a tensor, else a memoryview). Large copies run on host threads. A buffer that is too
+    small or not writable raises :class:`~kvtc.errors.OutputBufferError` before anything is written."""
+    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
+    total = sum(len(v) for v in views)
+    dst = output_buffer(out, total)
     jobs, off = [], 0
     for v in views:
         src = np.frombuffer(v, dtype=np.uint8)
-        for a in range(0, len(src), PIECE):
-            jobs.append((dst[off + a : off + min(a + PIECE, len(src))], src[a : a + PIECE]))
+        jobs.append((dst[off : off + len(src)], src))
         off += len(src)
-    if len(jobs) > 1:
-        list(default_pool().map(lambda j: np.copyto(j[0], j[1]), jobs))  # numpy copies drop the GIL
-    elif jobs:
-        np.copyto(jobs[0][0], jobs[0][1])
-    return out[:total] if tensor else memoryview(out).cast("B")[:total]
+    copy_pieces(jobs)
+    return blob_view(out, total)
 
 
 def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> tuple[Header, int]:
@@ -253,6 +277,28 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     return header, body
 
 
+def section_chunks(
+    blob: bytes | bytearray | memoryview, header: Header, body: int, expected_raw: dict[str, int] | None = None
+) -> tuple[list[memoryview], list[int]]:
+    """Each section's coded bytes (a view of ``blob``) and byte offset, after checking the sections' names and raw
+    sizes against ``expected_raw`` (what the blob's settings require)."""
+    blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
+    if expected_raw is not None:
+        names = [s.name for s in header.sections]
+        if names != list(expected_raw):
+            raise FormatError(
+                f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}"
+            )
+    chunks, offsets, off = [], [], body
+    for s in header.sections:
+        if expected_raw is not None and expected_raw[s.name] != s.raw:
+            raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
+        chunks.append(blob[off : off + s.coded])
+        offsets.append(off)
+        off += s.coded
+    return chunks, offsets
+
+
 def read_sections(
     blob: bytes | bytearray | memoryview,
     header: Header,
@@ -272,20 +318,7 @@ def read_sections(
     ``deferred``: a list that receives the checksum check of the device-decoded sections instead of running it
     here, so that it overlaps the caller's device work; the caller must run it before handing anything out.
     """
-    blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
-    if expected_raw is not None:
-        names = [s.name for s in header.sections]
-        if names != list(expected_raw):
-            raise FormatError(
-                f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}"
-            )
-    chunks, offsets, off = [], [], body
-    for s in header.sections:
-        if expected_raw is not None and expected_raw[s.name] != s.raw:
-            raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
-        chunks.append(blob[off : off + s.coded])
-        offsets.append(off)
-        off += s.coded
+    chunks, offsets = section_chunks(blob, header, body, expected_raw)
     pending = crc32_submit(chunks)
     out: dict[str, Any] = {}
     on_device = [i for i, s in enumerate(header.sections) if coder is not None and s.backend == backend]
