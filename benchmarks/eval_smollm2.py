@@ -31,9 +31,10 @@ def bench(stem: str, title: str, argv: list[str], defaults: list[str] | None = N
         result["command"] = _report.command()
     paths = report.write(result, _report.RESULTS, stem=stem)
     md = report.markdown(result)
+    date = result.get("machine", {}).get("date") or _report.machine()["date"]  # when the run was made
     head = (
         f"### {title} (`kvtc eval`)\n\n`{result['command']}` — "
-        f"{_report.machine()['date']}.\n\n![quality vs bytes](benchmarks/results/{stem}.png)\n\n"
+        f"{date}.\n\n![quality vs bytes](benchmarks/results/{stem}.png)\n\n"
     )
     _report.update_section(stem, head + md)
     print(md)
