@@ -16,21 +16,13 @@ from pathlib import Path
 
 import torch
 
+import _report
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def timed(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return _report.cuda_timed(fn, reps)
 
 
 def main(argv: list[str]) -> int:
