@@ -123,3 +123,20 @@ def roundtrip_rows(
             s = tallies[m.label].summary()
             out.append((text, m, {k: s.get(k) for k in ROUNDTRIP_KEYS}))
     return out
+
+
+def cuda_timed(fn: Any, reps: int = 10) -> float:
+    """Median seconds of ``fn()`` on the current CUDA device over ``reps`` runs (CUDA events), after one warm-up."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]

@@ -1,7 +1,7 @@
 """The embedded default's quality-vs-bytes benchmark: ``kvtc eval`` with its defaults on SmolLM2-135M.
 
 Writes benchmarks/results/eval_smollm2.{json,md,png} and the ``eval_smollm2`` section of BENCHMARKS.md.
-Extra arguments go to ``kvtc eval`` (e.g. ``--device cuda``).
+Extra arguments go to ``kvtc eval`` (e.g. ``--device cuda``); ``--render`` re-renders the saved result.
 """
 
 from __future__ import annotations
@@ -16,25 +16,27 @@ from kvtc.eval.cli import config_from_args, register
 from kvtc.eval.suite import acceptance, run
 
 
-def main(argv: list[str]) -> int:
+def bench(stem: str, title: str, argv: list[str], defaults: list[str] | None = None) -> int:
+    """Run ``kvtc eval`` (``defaults`` then ``argv``) or re-render (``--render``) and write result ``stem``."""
     if argv[:1] == ["--render"]:
         # re-render the table, plot and BENCHMARKS.md section of a saved result (acceptance recomputed)
-        result = json.loads((_report.RESULTS / "eval_smollm2.json").read_text())
+        result = json.loads((_report.RESULTS / f"{stem}.json").read_text())
         result["acceptance"] = acceptance(result)
     else:
-        parser = argparse.ArgumentParser(prog="eval_smollm2")
+        parser = argparse.ArgumentParser(prog=stem)
         sub = parser.add_subparsers()
         register(sub)
-        args = parser.parse_args(["eval", *argv])
+        args = parser.parse_args(["eval", *(defaults or []), *argv])
         result = run(config_from_args(args))
         result["command"] = _report.command()
-    paths = report.write(result, _report.RESULTS, stem="eval_smollm2")
+    paths = report.write(result, _report.RESULTS, stem=stem)
     md = report.markdown(result)
+    date = result.get("machine", {}).get("date") or _report.machine()["date"]  # when the run was made
     head = (
-        f"### Quality vs bytes on SmolLM2-135M (`kvtc eval`)\n\n`{result['command']}` — "
-        f"{_report.machine()['date']}.\n\n![quality vs bytes](benchmarks/results/eval_smollm2.png)\n\n"
+        f"### {title} (`kvtc eval`)\n\n`{result['command']}` — "
+        f"{date}.\n\n![quality vs bytes](benchmarks/results/{stem}.png)\n\n"
     )
-    _report.update_section("eval_smollm2", head + md)
+    _report.update_section(stem, head + md)
     print(md)
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
@@ -42,4 +44,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(bench("eval_smollm2", "Quality vs bytes on SmolLM2-135M", sys.argv[1:]))

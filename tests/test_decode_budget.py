@@ -20,7 +20,7 @@ import torch
 
 from kvtc import KVSlice
 from kvtc.calibration import Calibration
-from kvtc.codec import Codec, container
+from kvtc.codec import Codec, budget, container
 from kvtc.errors import FormatError
 
 FIX = Path(__file__).parent / "fixtures"
@@ -118,7 +118,7 @@ def test_zstd_blob_declaring_1000x_is_refused(cal, mode):
     for batch, tokens in ((1, 1 << 16), (4, 1 << 18)):
         blob = _inflated(codec, honest, batch, tokens)
         header, _ = container.read_header(blob)
-        declared = container.decoded_bytes(header)
+        declared = budget.decoded_bytes(header)
         assert declared >= 1000 * len(blob), (declared, len(blob))
         msg = _refused_cheaply(codec, blob)
         assert "decoded bytes" in msg and "hostile" in msg
@@ -141,7 +141,7 @@ def test_header_declaring_a_huge_slice_is_refused_before_allocation(cal, backend
     for batch, tokens in ((4096, 1 << 22), (1, 1 << 22), (1024, 40)):
         hostile = _reseal(blob, batch=batch, tokens=tokens)
         header, _ = container.read_header(hostile)
-        assert container.decoded_bytes(header) >= 1000 * len(hostile)
+        assert budget.decoded_bytes(header) >= 1000 * len(hostile)
         _refused_cheaply(codec, hostile)
 
 
@@ -150,7 +150,7 @@ def test_max_decoded_bytes_is_configurable_and_honest_blobs_decode(cal):
     kv.keys.normal_()
     kv.values.normal_()
     blob = Codec(cal, ratio=8).encode(kv)
-    need = container.decoded_bytes(container.read_header(blob)[0])
+    need = budget.decoded_bytes(container.read_header(blob)[0])
     assert Codec(cal, ratio=8, max_decoded_bytes=need).decode(blob).keys.shape == kv.keys.shape
     with pytest.raises(FormatError, match="max_decoded_bytes"):
         Codec(cal, ratio=8, max_decoded_bytes=need - 1).decode(blob)
@@ -160,4 +160,4 @@ def test_budget_refuses_nonsense_ratio(cal):
     blob = (FIX / "sample.kvtc").read_bytes()
     for ratio in ("abc", "0", "-3", "1e9"):
         with pytest.raises(FormatError, match="ratio"):
-            container.check_budget(container.read_header(_reseal(blob, ratio=ratio))[0], len(blob))
+            budget.check_budget(container.read_header(_reseal(blob, ratio=ratio))[0], len(blob))

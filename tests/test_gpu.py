@@ -260,3 +260,75 @@ def test_rebuild_cache_on_gpu_equals_cpu_rebuild():
         assert (kg.float().cpu() - kc.float()).abs().max() <= 2**-7 * kc.float().abs().max()
         # and both equal what the model itself cached
         assert (kg.float() - cache.layers[li].keys.float()).abs().max() <= 2**-6 * kc.float().abs().max()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_restore_path_layers_and_blob_forms_agree(setup, precision):
+    """The overlapped restore (huff4k, one PCA group): decode from pinned memory, from bytes and layer by layer give
+    the same slice; compress into a pinned buffer gives the bytes compress returns; the CPU decodes it too."""
+    _kernels()
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    cal, kv = setup
+    fast = Codec(cal, ratio=16, device="cuda", precision=precision, backend="huff4k")
+    blob = fast.encode(_cuda(kv))
+    buf = torch.empty(len(blob) + 10, dtype=torch.uint8).pin_memory()
+    view = fast.encode(_cuda(kv), out=buf)
+    assert bytes(view.numpy()) == blob
+    whole = fast.decode(view, device="cuda")
+    assert torch.equal(whole.keys, fast.decode(blob, device="cuda").keys)
+    assert torch.equal(whole.positions.cpu(), kv.positions)
+    for i, (_layer, k, v) in enumerate(fast.decode_layers(view, device="cuda")):
+        assert torch.equal(k, whole.keys[:, :, i]) and torch.equal(v, whole.values[:, :, i])
+    ref = Codec(cal, ratio=16, backend="huff4k").decode(blob)
+    for x, y in ((ref.keys, whole.keys), (ref.values, whole.values)):
+        assert float((x.float() - y.float().cpu()).square().sum()) <= 3e-3 * float(x.float().square().sum())
+
+
+def test_gpu_restore_path_refuses_corrupt_blobs(setup):
+    """A flipped byte fails the section's CRC-32; a flipped byte with its CRC-32 fixed fails the entropy decode's
+    device check: both FormatError, from decode and from decode_layers before the first layer."""
+    import zlib
+
+    from kvtc.codec import container
+    from kvtc.errors import FormatError
+
+    _kernels()
+    cal, kv = setup
+    fast = Codec(cal, ratio=16, device="cuda", backend="huff4k")
+    blob = bytearray(fast.encode(_cuda(kv)))
+    header, body = container.read_header(blob)
+    off = body
+    for s in header.sections:
+        if s.name.startswith("values.") and s.backend == "huff4k" and s.coded > 4096:
+            break
+        off += s.coded
+    else:
+        pytest.skip("no coded values stream of more than one block")
+    bad = bytearray(blob)
+    bad[off + s.coded - 1] ^= 0x80  # the stream's last word: its padding bits (or its last code)
+    with pytest.raises(FormatError, match="checksum"):
+        fast.decode(bytes(bad), device="cuda")
+    # the same flip with the checksum made to match: only the decoder can tell
+    s.crc32 = zlib.crc32(bytes(bad[off : off + s.coded]))
+    pre = container.prefix_and_header(header)
+    if len(pre) != body:
+        pytest.skip("the fixed checksum has another digit count")
+    forged = bytearray(bad)
+    forged[:body] = pre
+    with pytest.raises(FormatError):
+        fast.decode(bytes(forged), device="cuda")
+    with pytest.raises(FormatError):
+        next(iter(fast.decode_layers(bytes(forged), device="cuda")))
+
+
+def test_fp8_operand_kernels_match_torch():
+    kernels = _kernels()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(3, 300, 384, device="cuda", generator=g) * 20).to(torch.bfloat16)
+    mean, inv = torch.randn(384, device="cuda", generator=g), torch.rand(384, device="cuda", generator=g) * 3
+    got = kernels.rows_to_fp8(x[:, 7:290], mean, inv)
+    want = ((x[:, 7:290].float() - mean) * inv).clamp(-448, 448).reshape(-1, 384).to(torch.float8_e4m3fn)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

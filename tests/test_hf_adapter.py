@@ -285,3 +285,23 @@ def test_the_adapter_cache_does_not_keep_models_alive():
     assert config() is None and key not in _ADAPTERS
     with pytest.raises(UnsupportedModel, match="no longer exists"):
         _ = adapter.config
+
+
+def test_rebuild_from_layers_handed_over_one_at_a_time_equals_rebuild(models):
+    from kvtc.codec import Codec
+    from kvtc.integrations.hf import rebuild_cache_from_layers
+
+    model = models["llama"]
+    _, cache = prefill(model, batch=2, tokens=10)
+    kv = extract_slice(cache, model)
+    codec = Codec.identity()
+    blob = codec.encode(kv)
+    whole = rebuild_cache(codec.decode(blob), model)
+    layered = rebuild_cache_from_layers(codec.decode_layers(blob), kv.positions, model)
+    for li in kv.layout.layers:
+        assert torch.equal(layered.layers[li].keys, whole.layers[li].keys)
+        assert torch.equal(layered.layers[li].values, whole.layers[li].values)
+    token = torch.randint(3, model.config.vocab_size, (2, 1))
+    assert torch.equal(next_logits(model, layered, token), next_logits(model, whole, token))
+    with pytest.raises(LayoutError):  # a layer missing
+        rebuild_cache_from_layers(list(codec.decode_layers(blob))[1:], kv.positions, model)

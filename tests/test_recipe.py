@@ -203,9 +203,36 @@ def test_load_calibration_resolves_objects_files_and_the_default_name(cal, tmp_p
     assert load_calibration(cal) is cal
     path = cal.save(tmp_path / "c.safetensors")
     assert load_calibration(path).hash == cal.hash and load_calibration(str(path)).hash == cal.hash
-    with pytest.raises(CalibrationError, match="embedded SmolLM2"):
+    with pytest.raises(CalibrationError, match=r"embedded models' \(smollm2, gemma3\)"):
         load_calibration("default", model="Qwen/Qwen3-0.6B")
     with pytest.raises(CalibrationError, match="does not exist"):
         load_calibration(tmp_path / "missing.safetensors")
     with pytest.raises(CalibrationError):
         load_calibration(42)
+
+
+def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path, monkeypatch):
+    from kvtc.integrations.hf_calibrate import default_calibration, default_calibration_path
+
+    monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
+    smollm2, gemma3 = (default_calibration_path(model=m) for m in ("smollm2", "gemma3"))
+    assert smollm2.name == "smollm2-sotu-pre2000-100000-r8.safetensors"
+    assert gemma3.name == "gemma3-sotu-pre2000-100000-r8.safetensors"
+    assert smollm2.parent == gemma3.parent == tmp_path / "calibrations"
+    assert default_calibration_path() == default_calibration_path(model="default") == smollm2
+    assert default_calibration_path(Recipe(sensitivity="none"), model="gemma-3-270m").name.startswith("gemma3-")
+    # a cached file is what "default" resolves to, per model, without building anything
+    other = fit_calibration(LAYOUT, _rows(99), RECIPE, rope=ROPE, model_id="b", corpus={"name": "two"})
+    assert other.hash != cal.hash
+    cal.save(gemma3)
+    other.save(smollm2)
+    assert default_calibration(model="gemma3") == gemma3
+    assert load_calibration("default", model="gemma3").hash == cal.hash
+    assert load_calibration("default", model="Gemma-3-270M").hash == cal.hash
+    assert load_calibration("default", model="smollm2").hash == other.hash
+    assert load_calibration("default").hash == other.hash
+    for bad in ("google/gemma-3-270m", "./my-model"):
+        with pytest.raises(CalibrationError, match="embedded models"):
+            default_calibration(model=bad)
+        with pytest.raises(CalibrationError, match="embedded models"):
+            load_calibration("default", model=bad)

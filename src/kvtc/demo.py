@@ -1,6 +1,6 @@
-"""``kvtc demo``: the whole story on the embedded default, offline.
+"""``kvtc demo``: the whole story on an embedded model (``--model``: SmolLM2 by default, or Gemma-3-270M), offline.
 
-Calibrate SmolLM2-135M-Instruct on the pre-2000 State of the Union speeches if no default calibration is
+Calibrate the model on the pre-2000 State of the Union speeches if its default calibration is not
 cached; take a held-out document (a speech from 2000 on, or a Wikipedia article) and cut a window of
 ``--context`` + ``--score`` tokens from it. Quality comes from ``kvtc eval``'s storage round trip
 (:func:`kvtc.eval.protocols.storage_roundtrip`): the context's cache is compressed at each target ratio, the
@@ -39,6 +39,8 @@ DEFAULT_OUT = Path("out")
 HELD_OUT = ("sotu-2000on", "wikipedia")
 #: the storage dtype of the files, as :func:`~kvtc.integrations.hf.compress_cache` writes them
 STORAGE_DTYPE = "bfloat16"
+#: the embedded models' keys (kvtc.assets.EMBEDDED_MODELS, the default first), spelled here so --help imports no torch
+EMBEDDED_KEYS = ("smollm2", "gemma3")
 #: attention sinks and recent window kept exact (the codec's defaults)
 SINKS, WINDOW = 4, 128
 
@@ -51,7 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generate", type=int, default=DEFAULT_GENERATE, help="greedy tokens shown per cache")
     p.add_argument("--document", choices=HELD_OUT, default=HELD_OUT[0], help="held-out text (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="which held-out window")
-    p.add_argument("--calibration", type=Path, help="a calibration file for SmolLM2 instead of the default one")
+    p.add_argument(
+        "--model",
+        choices=EMBEDDED_KEYS,
+        default=EMBEDDED_KEYS[0],
+        help="the embedded model (default %(default)s; each has its own default calibration)",
+    )
+    p.add_argument("--calibration", type=Path, help="a calibration file for the model instead of its default one")
     p.add_argument(
         "--calibration-tokens", type=int, help="tokens of the default calibration (default 100,000; built once, cached)"
     )
@@ -69,7 +77,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     timer = StageTimer()
     with timer("calibration (load, or build once)"):
-        cal_path = args.calibration or default_calibration(Recipe(tokens=args.calibration_tokens or DEFAULT_TOKENS))
+        recipe = Recipe(tokens=args.calibration_tokens or DEFAULT_TOKENS)
+        cal_path = args.calibration or default_calibration(recipe, model=args.model)
         cal = Calibration.load(cal_path)
     missing = [r for r in args.ratios if r not in cal.ratios]
     if missing:
@@ -91,7 +100,8 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
     from .integrations.hf import load_blob, restore_cache
 
     with timer("load model"):
-        model, tok = assets.load_model("default")
+        model, tok = assets.load_model(args.model)
+    model_id = assets.embedded_model(args.model).name
     with timer("tokenize held-out text"):
         texts = assets.corpus(args.document)
         window = assets.token_windows(tok, texts, args.context + args.score, 1, seed=args.seed)
@@ -103,10 +113,7 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
 
     args.out.mkdir(parents=True, exist_ok=True)
     paths = {r: args.out / f"kvtc-demo-{r:g}x.kvtc" for r in args.ratios}
-    methods = [
-        KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=assets.DEFAULT_MODEL, store=_through_file(paths[r]))
-        for r in args.ratios
-    ]
+    methods = [KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=model_id, store=_through_file(paths[r])) for r in args.ratios]
     with timer("storage round trip: prefill, compress, save, load, decode, score"):
         with bar(len(methods) + 1, "storage round trip") as progress:
             tallies = storage_roundtrip(model, window, methods, args.context, SINKS, WINDOW, progress)
@@ -146,6 +153,7 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
         _say(f"{m.ratio:g}x: codec ratio {info['codec_ratio']:.1f}x, top-1 agreement {score['top1_agreement']:.3f}")
 
     result = {
+        "model": model_id,
         "document": args.document,
         "context_tokens": args.context,
         "scored_tokens": tallies["exact"].tokens,
@@ -157,7 +165,7 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
     }
     md = _markdown(result)
     (args.out / "kvtc-demo.md").write_text(md)
-    plot = _plot(rows, args.out / "kvtc-demo.png")
+    plot = _plot(rows, args.out / "kvtc-demo.png", model_id)
     result["stages_s"]["total"] = round(timer.elapsed(), 2)
     (args.out / "kvtc-demo.json").write_text(json.dumps(result, indent=2) + "\n")
     print(md)
@@ -198,7 +206,7 @@ def _mb(n: float) -> str:
 def _markdown(r: dict[str, Any]) -> str:
     rows = r["rows"]
     lines = [
-        f"## kvtc demo: SmolLM2-135M-Instruct, {r['context_tokens']}-token held-out {r['document']} context",
+        f"## kvtc demo: {r['model']}, {r['context_tokens']}-token held-out {r['document']} context",
         "",
         "| target | bf16 KV | compressed | codec ratio | whole-cache ratio | restore + 1st token | recompute | "
         "ppl exact | ppl restored | Δppl | top-1 agreement | greedy tokens identical |",
@@ -230,7 +238,7 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+def _plot(rows: list[dict[str, Any]], path: Path, model_id: str) -> Path | None:
     try:
         import matplotlib
 
@@ -253,7 +261,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ax2.plot(ratios, agree, "s--", color="tab:blue", label="top-1 agreement")
     ax2.set_ylabel("top-1 agreement with exact", color="tab:blue")
     ax2.set_ylim(0, 1.02)
-    ax.set_title("kvtc on SmolLM2-135M-Instruct: ratio vs quality")
+    ax.set_title(f"kvtc on {model_id}: ratio vs quality")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

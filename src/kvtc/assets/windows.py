@@ -52,10 +52,13 @@ def iter_token_windows(
 
 def leading_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The token ids the tokenizer puts before any text (a BOS token for Gemma, Llama 3; none for SmolLM2)."""
-    full = tokenizer("x", verbose=False)["input_ids"]
-    bare = tokenizer("x", add_special_tokens=False, verbose=False)["input_ids"]
-    n = len(full) - len(bare)
-    return [int(t) for t in full[:n]] if n > 0 and full[n:] == bare else []
+    full = tokenizer("", verbose=False)["input_ids"]  # an empty text: only what the tokenizer adds around it
+    bare = tokenizer("", add_special_tokens=False, verbose=False)["input_ids"]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    lead = list(full[: len(full) - len(bare)]) if full[len(full) - len(bare) :] == bare else []
+    while lead and lead[-1] == eos:  # a tokenizer that also appends EOS: only what comes before the text
+        lead.pop()
+    return [int(t) for t in lead]
 
 
 def _iter_windows(

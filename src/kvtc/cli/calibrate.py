@@ -18,7 +18,8 @@ def add_calibrate(sub: Any) -> None:
     p = sub.add_parser("calibrate", help="fit a calibration (PCA bases + bit plans) for a model on a corpus",
                        description="Run a model over a corpus and fit KVTC's PCA bases and bit plans.")  # fmt: skip
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="hub id, local HF directory, or 'default' (the embedded SmolLM2-135M-Instruct)")  # fmt: skip
+                   help="hub id, local HF directory, or an embedded model: 'default' (SmolLM2-135M-Instruct), "
+                        "'smollm2', 'gemma3' (Gemma-3-270M)")  # fmt: skip
     p.add_argument(
         "--corpus",
         nargs="+",
@@ -77,16 +78,18 @@ def add_calibrate(sub: Any) -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     from .. import assets
     from ..calibration.artifact import Calibration
-    from ..calibration.load import is_default_model
+    from ..calibration.load import embedded_model_key
     from ..integrations.hf_calibrate import calibrate_model, default_calibration
     from ..quant import DROP, TYPE_NAMES
 
     recipe = recipe_from_args(args)
     check_out(args.out, "calibration file")
     t0 = time.perf_counter()
-    default_data = is_default_model(args.model) and args.corpus == [DEFAULT_CORPUS] and args.out is None
+    embedded = embedded_model_key(args.model)
+    default_data = embedded is not None and args.corpus == [DEFAULT_CORPUS] and args.out is None
     if default_data and recipe.name is not None:
-        path = default_calibration(recipe, progress=True)  # the cached default of that recipe, built once
+        # the embedded model's cached default of that recipe, built once
+        path = default_calibration(recipe, progress=True, model=embedded)
     else:
         if args.out is None:
             raise KVTCError(
@@ -102,7 +105,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if not any(t.strip() for t in texts):
             raise KVTCError(f"the corpus {args.corpus} holds no text; give text files or a builtin corpus")
         model, tok = assets.load_model(args.model, device=args.device)
-        name = assets.DEFAULT_MODEL if is_default_model(args.model) else str(args.model)
+        name = assets.embedded_model(embedded).name if embedded is not None else str(args.model)
         cal = calibrate_model(
             model,
             tok,

@@ -78,11 +78,15 @@ DEFAULT_CALIBRATION = "default"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id, local HF directory, or 'default' (SmolLM2)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="hub id, local HF directory, or an embedded model: 'default' (SmolLM2), 'smollm2', 'gemma3'",
+    )
     p.add_argument(
         "--calibration",
         default=DEFAULT_CALIBRATION,
-        help="calibration file, or 'default' (the embedded model's, built on first use)",
+        help="calibration file, or 'default' (an embedded model's own, built on first use)",
     )
 
 

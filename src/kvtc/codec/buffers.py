@@ -8,6 +8,8 @@ are viewed as they lie (:func:`device_bytes`) and a section decoded on the devic
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -86,4 +88,45 @@ def from_le(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     return t.view(dtype) if view_as is not dtype else t
 
 
-__all__ = ["Parts", "align", "device_bytes", "from_le", "host_bytes", "le_bytes", "section_tensor"]
+def new_bytes(n: int) -> tuple[bytes, np.ndarray] | None:
+    """A new ``bytes`` object of ``n`` bytes and a writable uint8 array over its contents, to be filled before
+    the object is shared (CPython's ``PyBytes_FromStringAndSize(NULL, n)`` contract: a fresh object's contents may
+    be written until it is handed out). Lets a large result be written once, by several threads, instead of
+    assembled elsewhere and copied into a ``bytes``. None where the interpreter offers no such object."""
+    if sys.implementation.name != "cpython" or n <= 0:
+        return None
+    api = ctypes.pythonapi
+    make = api.PyBytes_FromStringAndSize
+    make.restype, make.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
+    addr = api.PyBytes_AsString
+    addr.restype, addr.argtypes = ctypes.c_void_p, [ctypes.py_object]
+    obj = make(None, n)
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr(obj)))
+    return obj, view
+
+
+class PinnedScratch:
+    """A pinned host buffer kept and grown for reuse (fresh pinned or pageable pages cost a fault each)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, n: int) -> torch.Tensor:
+        """A uint8 CPU tensor of at least ``n`` bytes (pinned where CUDA is present); its first ``n`` returned."""
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = None
+            self.buf = torch.empty(align(max(n, 1), 1 << 20), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self.buf[:n]
+
+
+__all__ = [
+    "Parts",
+    "PinnedScratch",
+    "align",
+    "new_bytes",
+    "device_bytes",
+    "from_le",
+    "host_bytes",
+    "le_bytes",
+    "section_tensor",
+]

@@ -26,7 +26,7 @@ from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
 from ..errors import CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
-from . import container, info, spans
+from . import budget, container, gpu_decode, gpu_write, info, spans
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
@@ -59,7 +59,7 @@ class Codec:
         packing: str = "bits",
         device: torch.device | str = "cpu",
         precision: str = "fp32",
-        max_decoded_bytes: int = container.DEFAULT_MAX_DECODED_BYTES,
+        max_decoded_bytes: int = budget.DEFAULT_MAX_DECODED_BYTES,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
@@ -127,26 +127,43 @@ class Codec:
             ratio=self.ratio,
             packing=self.packing,
         )
-        container.check_sparsity(header)
+        budget.check_sparsity(header)
         payloads: list[tuple[str, Any]] = [("positions", le_bytes(kv.positions))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
             prot = spans.protected(t, header)
             payloads.append((f"raw.{kind}", device_bytes(prot) if self._on_fused_device(prot) else le_bytes(prot)))
         if self.calibration is not None and header.middle_tokens:
             middles = spans.group_middles(header, self.calibration.grouping)
+            one_group = len(middles) == 1
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
                 rows: dict[tuple[int, int], torch.Tensor] = {}
                 for start, m in dict.fromkeys(middles):
                     if m:
                         with clock("to_rows"):
-                            r = spans.middle_view(t, start, m).reshape(-1, lay.num_features).to(self.device)
-                            if not (self._fused and self.precision in ("bf16", "fp8")):
-                                r = r.float()
+                            r = spans.middle_view(t, start, m)  # [B, m, features]
+                            if not (self._fused and self.precision == "fp8" and self._same_gpu(t) and one_group):
+                                r = r.reshape(-1, lay.num_features).to(
+                                    self.device
+                                )  # else the projection reads in place
+                                if not (self._fused and self.precision in ("bf16", "fp8")):
+                                    r = r.float()
                         rows[(start, m)] = r
                 payloads.extend(self._encode_rows(kind, [rows.get(x) for x in middles], clock))
         with clock("entropy"):
+            coder = device_coder(self.backend, self.device) if self._fused else None
+            if (
+                coder is not None
+                and gpu_write.supported(coder)
+                and any(isinstance(d, torch.Tensor) for _, d in payloads)
+            ):
+                return gpu_write.write(header, payloads, self.backend, coder, timings, out)
             payloads = self._host_payloads(payloads, clock)
             return container.write(header, payloads, self.backend, timings, out)
+
+    def _same_gpu(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies on this codec's CUDA device (``cuda`` and ``cuda:N`` alike)."""
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return t.is_cuda and t.device.index == idx
 
     def _on_fused_device(self, t: torch.Tensor) -> bool:
         return self._fused and t.device.type == "cuda"
@@ -189,6 +206,18 @@ class Codec:
     def _open(
         self, blob: bytes | torch.Tensor, on_device: bool = False, deferred: list[Any] | None = None
     ) -> tuple[container.Header, dict[str, Any]]:
+        blob, pinned, header, body = self._checked_header(blob)
+        expected = self._expected_sections(header)
+        if on_device and self._fused:
+            for name in dict.fromkeys(x.backend for x in header.sections):
+                coder = device_coder(name, self.device)
+                if coder is not None:
+                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
+        return header, container.read_sections(blob, header, body, expected)
+
+    def _checked_header(self, blob: bytes | torch.Tensor) -> tuple[Any, Any, container.Header, int]:
+        """(the blob as a buffer, the blob as a pinned tensor or None, its header, body offset), after the checks
+        every decode makes before reading a section: header, decoding budget, calibration, ratio."""
         pinned = None
         if isinstance(blob, torch.Tensor):  # a blob held in (pinned) host memory as a uint8 tensor
             if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
@@ -196,7 +225,7 @@ class Codec:
             pinned = blob if blob.is_pinned() else None
             blob = memoryview(blob.numpy())
         header, body = container.read_header(blob)
-        container.check_budget(header, len(blob), self.max_decoded_bytes)
+        budget.check_budget(header, len(blob), self.max_decoded_bytes)
         if header.mode == "kvtc":
             cal = self.calibration
             if cal is None or header.calibration != cal.hash:
@@ -207,13 +236,7 @@ class Codec:
             cal.check_layout(header.layout)
             if header.ratio is None or header.ratio not in cal.plans:
                 raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
-        expected = self._expected_sections(header)
-        if on_device and self._fused:
-            for name in dict.fromkeys(x.backend for x in header.sections):
-                coder = device_coder(name, self.device)
-                if coder is not None:
-                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
-        return header, container.read_sections(blob, header, body, expected)
+        return blob, pinned, header, body
 
     def _expected_sections(self, h: container.Header) -> dict[str, int]:
         exp = {"positions": 8 * h.batch * h.tokens}
@@ -237,8 +260,12 @@ class Codec:
         """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
         (default: CPU). ``blob``: bytes, or a 1-D uint8 CPU tensor holding them (pinned host memory lets a GPU
         codec copy the coded streams to the device without staging)."""
-        clock = stage_clock(timings)
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
+        if self._fused and out_dev == self.device:
+            fast = gpu_decode.decode(self, blob, timings)
+            if fast is not None:
+                return fast
+        clock = stage_clock(timings)
         checks: list[Any] = []  # checksums still running on host threads (GPU path): verified before returning
         with clock("parse"):
             header, secs = self._open(blob, on_device=True, deferred=checks)
@@ -356,6 +383,11 @@ class Codec:
         (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
         layer's basis columns only. A sliding-window layer's tokens older than those it holds are zero."""
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
+        if self._fused and out_dev == self.device:
+            fast = gpu_decode.decode_layers(self, blob)
+            if fast is not None:
+                yield from fast
+                return
         header, secs = self._open(blob, on_device=True)
         lay = header.layout
         B, T = header.batch, header.tokens

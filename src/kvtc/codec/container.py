@@ -51,18 +51,6 @@ MAX_SECTIONS = 4096
 MAX_TOTAL_RAW_BYTES = 1 << 36
 MAX_KV_HEADS = 1 << 12  # served models have at most a few hundred KV heads
 MODES = ("kvtc", "identity")
-#: default ceiling on the bytes one ``decode`` may produce and stage (the ``max_decoded_bytes`` of a Codec)
-DEFAULT_MAX_DECODED_BYTES = 32 << 30
-#: what a blob of any size may always declare (a header, a few tokens)
-BUDGET_FLOOR_BYTES = 64 << 10
-#: identity blobs store KV as it is: an entropy coder shrinks real KV by well under 2x
-IDENTITY_EXPANSION = 64
-#: kvtc blobs: decoded bytes per stored byte may reach the plan's ratio times the entropy coder's gain
-#: (measured 1.2x) and the raw sections; this many times the ratio is refused as no honest blob
-KVTC_EXPANSION_PER_RATIO = 4
-#: a decode allocates every layer for every token, zero where a sliding layer holds none: at most this many times
-#: the bytes the layers hold (a longer sequence over short windows needs its layers decoded separately)
-MAX_HELD_SPARSITY = 64
 _ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -171,10 +159,7 @@ def write(
         for (name, data), (used, coded), crc in zip(payloads, coded_all, crcs)
     ]
     header.sections = sections
-    hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
-    if len(hdr) > MAX_HEADER_BYTES:
-        raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
-    parts = [PREFIX.pack(MAGIC, header.version, 0, len(hdr), zlib.crc32(hdr)), hdr, *bodies]
+    parts = [prefix_and_header(header), *bodies]
     blob = b"".join(parts) if out is None else write_into(out, parts)
     if timings is not None:
         timings.update(
@@ -183,15 +168,18 @@ def write(
     return blob
 
 
-def write_into(out: Any, parts: list[Any]) -> Any:
-    """Copy ``parts`` back to back into ``out`` (a 1-D uint8 CPU tensor, e.g. pinned host memory, or any writable
-    bytes-like object: bytearray, memoryview, numpy array, mmap) and return the used prefix as a view of ``out``
-    (a tensor slice for a tensor, else a memoryview). Large copies run on host threads. A buffer that is too
-    small or not writable raises :class:`~kvtc.errors.OutputBufferError` before anything is written."""
-    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
-    total = sum(len(v) for v in views)
-    tensor = isinstance(out, torch.Tensor)
-    if tensor:
+def prefix_and_header(header: Header) -> bytes:
+    """The container's first bytes: the prefix and the JSON header of ``header`` (its sections filled in)."""
+    hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
+    return PREFIX.pack(MAGIC, header.version, 0, len(hdr), zlib.crc32(hdr)) + hdr
+
+
+def output_buffer(out: Any, total: int) -> np.ndarray:
+    """``out`` (see :func:`write_into`) as a writable uint8 numpy array, checked to hold ``total`` bytes: raises
+    :class:`~kvtc.errors.OutputBufferError` (nothing written) for a buffer of the wrong kind, read-only or small."""
+    if isinstance(out, torch.Tensor):
         if out.device.type != "cpu" or out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
             raise OutputBufferError(
                 "an output tensor must be a contiguous 1-D uint8 CPU tensor (e.g. pinned host memory)"
@@ -211,17 +199,41 @@ def write_into(out: Any, parts: list[Any]) -> Any:
         raise OutputBufferError(
             f"the blob needs {total} bytes and the output buffer holds {dst.size}; pass a larger buffer", needed=total
         )
+    return dst
+
+
+def blob_view(out: Any, total: int) -> Any:
+    """The first ``total`` bytes of ``out`` as :func:`write_into` returns them (a tensor slice or a memoryview)."""
+    return out[:total] if isinstance(out, torch.Tensor) else memoryview(out).cast("B")[:total]
+
+
+def copy_pieces(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Run ``np.copyto(dst, src)`` for each pair, large ones cut in pieces on host threads (numpy drops the GIL)."""
+    cut = []
+    for dst, src in jobs:
+        for a in range(0, len(src), PIECE):
+            cut.append((dst[a : a + PIECE], src[a : a + PIECE]))
+    if len(cut) > 1:
+        list(default_pool().map(lambda j: np.copyto(j[0], j[1]), cut))
+    elif cut:
+        np.copyto(cut[0][0], cut[0][1])
+
+
+def write_into(out: Any, parts: list[Any]) -> Any:
+    """Copy ``parts`` back to back into ``out`` (a 1-D uint8 CPU tensor, e.g. pinned host memory, or any writable
+    bytes-like object: bytearray, memoryview, numpy array, mmap) and return the used prefix as a view of ``out``
+    (a tensor slice for a tensor, else a memoryview). Large copies run on host threads. A buffer that is too
+    small or not writable raises :class:`~kvtc.errors.OutputBufferError` before anything is written."""
+    views = [memoryview(p).cast("B") if not isinstance(p, bytes) else memoryview(p) for p in parts]
+    total = sum(len(v) for v in views)
+    dst = output_buffer(out, total)
     jobs, off = [], 0
     for v in views:
         src = np.frombuffer(v, dtype=np.uint8)
-        for a in range(0, len(src), PIECE):
-            jobs.append((dst[off + a : off + min(a + PIECE, len(src))], src[a : a + PIECE]))
+        jobs.append((dst[off : off + len(src)], src))
         off += len(src)
-    if len(jobs) > 1:
-        list(default_pool().map(lambda j: np.copyto(j[0], j[1]), jobs))  # numpy copies drop the GIL
-    elif jobs:
-        np.copyto(jobs[0][0], jobs[0][1])
-    return out[:total] if tensor else memoryview(out).cast("B")[:total]
+    copy_pieces(jobs)
+    return blob_view(out, total)
 
 
 def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> tuple[Header, int]:
@@ -265,65 +277,26 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     return header, body
 
 
-def decoded_bytes(header: Header) -> int:
-    """Bytes a decode of ``header`` allocates for its results and staged streams: the keys and values of
-    every token in the layout's dtype, the positions, and every section's decoded stream."""
-    return decoded_output_bytes(header) + 8 * header.batch * header.tokens + sum(s.raw for s in header.sections)
-
-
-def decoded_output_bytes(header: Header) -> int:
-    """Bytes of the decoded keys and values: every layer for every token, in the layout's dtype."""
-    lay = header.layout
-    return 2 * header.batch * header.tokens * lay.num_features * _ESIZE.get(lay.dtype, 4)
-
-
-def check_sparsity(header: Header) -> int:
-    """Refuse a slice whose sliding-window layers hold under 1/:data:`MAX_HELD_SPARSITY` of its tokens (a decode
-    allocates every layer for every token). Returns the bytes the layers hold."""
-    held = header.held_bytes()
-    dense = decoded_output_bytes(header)
-    if header.layout.max_tokens and dense > MAX_HELD_SPARSITY * held:
-        raise LayoutError(
-            f"the sliding-window layers hold under 1/{MAX_HELD_SPARSITY} of the {header.tokens} tokens, and a decode "
-            "allocates every layer for every token; encode the newest tokens only (shorter slices)"
-        )
-    return held
-
-
-def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> int:
-    """Refuse, before anything is allocated, a blob that declares more decoding work than it can honestly
-    hold: more than ``max_decoded_bytes`` in all, or more decoded bytes per stored byte than its mode allows
-    (identity: :data:`IDENTITY_EXPANSION`; kvtc: :data:`KVTC_EXPANSION_PER_RATIO` times its ratio). Returns
-    the declared decoded bytes."""
-    need = decoded_bytes(header)
-    if need > max_decoded_bytes:
-        raise FormatError(
-            f"blob declares {need} decoded bytes ({header.batch}x{header.tokens} tokens), above this codec's "
-            f"max_decoded_bytes={max_decoded_bytes}; raise max_decoded_bytes if the blob is trusted"
-        )
-    try:
-        held = check_sparsity(header)
-    except LayoutError as e:
-        raise FormatError(f"{e}; the blob is corrupt or hostile") from None
-    # what the blob honestly encodes: the tokens its layers hold (the rest of the output is zeros)
-    need = held + (need - decoded_output_bytes(header))
-    if header.mode == "kvtc":
-        try:
-            ratio = float(header.ratio or "")
-        except ValueError:
-            raise FormatError(f"blob names ratio {header.ratio!r}, not a number; the blob is corrupt") from None
-        if not 0 < ratio < 1e6:
-            raise FormatError(f"blob names ratio {header.ratio!r}, out of range; the blob is corrupt")
-        expansion = KVTC_EXPANSION_PER_RATIO * ratio + IDENTITY_EXPANSION
-    else:
-        expansion = IDENTITY_EXPANSION
-    if need > max(expansion * blob_len, BUDGET_FLOOR_BYTES):
-        raise FormatError(
-            f"blob of {blob_len} bytes declares {need} decoded bytes ({need / max(blob_len, 1):.0f}x, at most "
-            f"{expansion:.0f}x for a {header.mode} blob{'' if header.ratio is None else ' at ratio ' + header.ratio}); "
-            "it is corrupt or hostile"
-        )
-    return need
+def section_chunks(
+    blob: bytes | bytearray | memoryview, header: Header, body: int, expected_raw: dict[str, int] | None = None
+) -> tuple[list[memoryview], list[int]]:
+    """Each section's coded bytes (a view of ``blob``) and byte offset, after checking the sections' names and raw
+    sizes against ``expected_raw`` (what the blob's settings require)."""
+    blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
+    if expected_raw is not None:
+        names = [s.name for s in header.sections]
+        if names != list(expected_raw):
+            raise FormatError(
+                f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}"
+            )
+    chunks, offsets, off = [], [], body
+    for s in header.sections:
+        if expected_raw is not None and expected_raw[s.name] != s.raw:
+            raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
+        chunks.append(blob[off : off + s.coded])
+        offsets.append(off)
+        off += s.coded
+    return chunks, offsets
 
 
 def read_sections(
@@ -345,20 +318,7 @@ def read_sections(
     ``deferred``: a list that receives the checksum check of the device-decoded sections instead of running it
     here, so that it overlaps the caller's device work; the caller must run it before handing anything out.
     """
-    blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
-    if expected_raw is not None:
-        names = [s.name for s in header.sections]
-        if names != list(expected_raw):
-            raise FormatError(
-                f"blob sections {names[:6]} do not match what its settings require {list(expected_raw)[:6]}"
-            )
-    chunks, offsets, off = [], [], body
-    for s in header.sections:
-        if expected_raw is not None and expected_raw[s.name] != s.raw:
-            raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
-        chunks.append(blob[off : off + s.coded])
-        offsets.append(off)
-        off += s.coded
+    chunks, offsets = section_chunks(blob, header, body, expected_raw)
     pending = crc32_submit(chunks)
     out: dict[str, Any] = {}
     on_device = [i for i, s in enumerate(header.sections) if coder is not None and s.backend == backend]

@@ -14,6 +14,8 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+import numpy as np
+
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 #: buffers at least this large are checksummed in pieces of this size
 PIECE = 8 << 20
@@ -56,6 +58,31 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(_shift(len2), crc1) ^ crc2
 
 
+def _multmodp_vec(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+    """:func:`_multmodp` of every element (int64 arrays holding 32-bit values)."""
+    b = np.broadcast_to(np.asarray(b, dtype=np.int64), a.shape).copy()
+    p = np.zeros_like(a)
+    for k in range(32):
+        p ^= np.where((a >> (31 - k)) & 1, b, 0)
+        b = np.where(b & 1, (b >> 1) ^ _POLY, b >> 1)
+    return p
+
+
+def chunk_powers(chunk: int, size: int) -> np.ndarray:
+    """int64 ``[size]``: x^(8·chunk·j) mod P for j = 0..size-1 (the weight of a chunk followed by j others of
+    ``chunk`` bytes in a CRC of their concatenation), built by doubling."""
+    out = np.zeros(max(size, 1), dtype=np.int64)
+    out[0] = 1 << 31  # x^0
+    have = 1
+    step = _shift(chunk)  # x^(8·chunk·have), have = 1
+    while have < size:
+        n = min(have, size - have)
+        out[have : have + n] = _multmodp_vec(out[:n], step)
+        step = _multmodp(step, step)
+        have += n
+    return out[:size]
+
+
 @functools.lru_cache(maxsize=1)
 def default_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(2, min(32, os.cpu_count() or 2)), thread_name_prefix="kvtc-crc")
@@ -95,4 +122,4 @@ def crc32_many(buffers: Sequence[memoryview | bytes], pool: Executor | None = No
     return Pending(buffers, pool).result()
 
 
-__all__ = ["Pending", "crc32_combine", "crc32_many", "crc32_submit", "default_pool", "PIECE"]
+__all__ = ["Pending", "chunk_powers", "crc32_combine", "crc32_many", "crc32_submit", "default_pool", "PIECE"]

@@ -127,12 +127,24 @@ def encode_tables(lengths: np.ndarray) -> np.ndarray:
 
 def decode_table(lengths: np.ndarray) -> np.ndarray:
     """int32 ``[4096]``: symbol | length << 8 for every 12-bit LSB-first peek; 0 marks a hole."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    codes = canonical_codes(lengths)
-    table = np.zeros(TABLE, dtype=np.int32)
-    for s in np.flatnonzero(lengths):
-        ln = int(lengths[s])
-        table[int(codes[s]) :: 1 << ln] = s | (ln << 8)
+    return decode_tables(np.asarray(lengths).reshape(1, -1))[0]
+
+
+def decode_tables(lengths: np.ndarray) -> np.ndarray:
+    """:func:`decode_table` of every row of ``lengths`` ``[S, 256]`` (int32 ``[S, 4096]``), vectorized: each
+    present symbol of length L fills the 2^(12-L) peeks whose low L bits are its reversed code."""
+    ln = np.asarray(lengths, dtype=np.int64).reshape(-1, 256)
+    codes = canonical_codes_batch(ln).astype(np.int64)
+    table = np.zeros((len(ln), TABLE), dtype=np.int32)
+    row, sym = np.nonzero(ln)
+    if len(row):
+        length = ln[row, sym]
+        count = np.int64(1) << (MAX_LEN - length)
+        first = np.cumsum(count) - count
+        rep = np.repeat(np.arange(len(row)), count)
+        j = np.arange(int(count.sum()), dtype=np.int64) - first[rep]
+        idx = codes[row, sym][rep] + (j << length[rep])
+        table[row[rep], idx] = (sym | (length << 8))[rep]
     return table
 
 

@@ -21,18 +21,8 @@ import numpy as np
 
 from ..errors import FormatError
 from .buffers import Parts, Pinned, align
-from .huffman import (
-    _U32,
-    BLOCK,
-    NAME,
-    TABLE,
-    _block_sizes,
-    code_lengths_batch,
-    decode_table,
-    encode_tables,
-    pack_lengths,
-    parse,
-)
+from .huffman import _U32, BLOCK, NAME, TABLE, _block_sizes, code_lengths_batch, encode_tables, pack_lengths, parse
+from .huffman_codes import decode_tables
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -172,28 +162,70 @@ class DeviceCoder:
         h = host.numpy().view("<u4")
         t1 = time.perf_counter()
         out = []
-        for i, (a, b) in enumerate(enc["spans"]):
+        for i, head in enumerate(self.heads(enc)):
             ws = enc["wstart"][i]
-            cnt = enc["words"][a:b]
-            counts = np.asarray(cnt, dtype="<u2")
-            head = b"".join([pack_lengths(enc["lengths"][i]), _U32.pack(len(counts)), counts.tobytes()])
-            out.append(Parts([head, h[ws : ws + int(cnt.sum())]]))
+            a, b = enc["spans"][i]
+            out.append(Parts([head, h[ws : ws + int(enc["words"][a:b].sum())]]))
         self.last = {**self.last, "d2h_s": t1 - t0, "frame_s": time.perf_counter() - t1}
+        return out
+
+    @staticmethod
+    def heads(enc: dict[str, Any]) -> list[bytes]:
+        """Each coded stream's header bytes (code lengths, block count, words of each block): what precedes
+        its words in the stream."""
+        out = []
+        for i, (a, b) in enumerate(enc["spans"]):
+            counts = np.asarray(enc["words"][a:b], dtype="<u2")
+            out.append(b"".join([pack_lengths(enc["lengths"][i]), _U32.pack(len(counts)), counts.tobytes()]))
         return out
 
     # ---- decode
     def stage(
-        self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: tuple[Any, list[int]] | None = None
+        self,
+        streams: list[bytes | memoryview],
+        raw_lens: list[int],
+        pinned: tuple[Any, list[int]] | None = None,
+        stream: Any = None,
     ) -> dict[str, Any]:
         """Validate the streams' headers and copy their words to the device (through pinned memory).
 
         ``pinned``: ``(tensor, offsets)`` when the streams lie in a pinned uint8 host tensor at those byte
         offsets: their span goes to the device in one copy and each stream's words are then aligned there
-        (no host staging)."""
+        (no host staging). ``stream``: a CUDA stream that runs the copies, so that they overlap work queued on
+        the current stream; nothing is then synchronized and :meth:`decode_device` waits for the copies on the
+        device. Without it the copies are waited for here."""
         torch = self.torch
         dev = self.device
         t0 = time.perf_counter()
         parsed = [parse(s, n) for s, n in zip(streams, raw_lens)]
+        side = stream if (stream is not None and self.cuda) else None
+        main = torch.cuda.current_stream(dev) if side is not None else None
+        ctx = torch.cuda.stream(side) if side is not None else _Null()
+        with ctx:
+            st = self._copy(streams, raw_lens, pinned, parsed)
+        t1 = time.perf_counter()
+        if side is not None:
+            ev = torch.cuda.Event()
+            ev.record(side)
+            st["ready"] = ev
+            for t in st.values():  # made on the copy stream, used on the current one
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(main)
+        else:
+            self._sync()
+        self.last = {"parse_stage_s": st.pop("t_parse") - t0, "h2d_s": time.perf_counter() - t1}
+        return st
+
+    def _copy(
+        self,
+        streams: list[bytes | memoryview],
+        raw_lens: list[int],
+        pinned: tuple[Any, list[int]] | None,
+        parsed: list[Any],
+    ) -> dict[str, Any]:
+        """The copies of :meth:`stage`, queued on the current stream."""
+        torch = self.torch
+        dev = self.device
         nwords = [int(p.words.sum()) for p in parsed]
         wbase, w = [], 0
         for k in nwords:
@@ -223,7 +255,11 @@ class DeviceCoder:
                 for j in range(0, k, _COPY_WORDS):
                     jobs.append((buf[wb + j : wb + min(k, j + _COPY_WORDS)], src[j : j + _COPY_WORDS]))
             list(self.pool.map(lambda j: j[0].__setitem__(slice(None), j[1]), jobs))  # numpy copies drop the GIL
-        dtab = np.concatenate([decode_table(p.lengths).astype(np.int16) for p in parsed] + [np.zeros(0, np.int16)])
+        dtab = (
+            decode_tables(np.stack([p.lengths for p in parsed])).astype(np.int16).reshape(-1)
+            if parsed
+            else np.zeros(0, np.int16)
+        )
         blk_wo = np.concatenate(
             [
                 wb + np.concatenate(([0], np.cumsum(p.words)[:-1])).astype(np.int64)
@@ -242,17 +278,17 @@ class DeviceCoder:
             [np.full(len(p.words), TABLE * i, dtype=np.int64) for i, p in enumerate(parsed)] + [np.zeros(0, np.int64)]
         )
         nb = len(blk_n)
-        t1 = time.perf_counter()
+        t_parse = time.perf_counter()
         meta = torch.from_numpy(np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab]))
         meta = meta.pin_memory() if self.cuda else meta
         d_meta = meta.to(dev, non_blocking=True)
         if d_words is None:
             d_words = staging.to(dev, non_blocking=True)
-        d_tab = torch.from_numpy(dtab if len(dtab) else np.zeros(1, np.int16)).to(dev, non_blocking=True)
-        self._sync()
-        t2 = time.perf_counter()
-        self.last = {"parse_stage_s": t1 - t0, "h2d_s": t2 - t1}
+        tab = torch.from_numpy(dtab if len(dtab) else np.zeros(1, np.int16))
+        d_tab = (tab.pin_memory() if self.cuda else tab).to(dev, non_blocking=True)
         return {
+            "t_parse": t_parse,
+            "meta": d_meta,
             "nb": nb,
             "words": d_words,
             "tab": d_tab,
@@ -266,21 +302,32 @@ class DeviceCoder:
             "blk_tab": d_meta[4 * nb :].to(torch.int32),
         }
 
-    def decode_device(self, st: dict[str, Any]) -> list[torch.Tensor]:
-        """Decode staged streams on the device; raises FormatError when any block is corrupt."""
+    def decode_device(self, st: dict[str, Any], err: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Decode staged streams on the device; raises FormatError when any block is corrupt. ``err``: an int32
+        device flag the kernel raises instead, checked by the caller (:meth:`check`) before anything decoded is
+        used for more than device work (the kernel writes only inside each stream's output, corrupt or not):
+        nothing is then synchronized here."""
         torch = self.torch
+        if "ready" in st:
+            torch.cuda.current_stream(self.device).wait_event(st["ready"])
         out = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
         if st["nb"]:
-            err = torch.zeros(1, dtype=torch.int32, device=self.device)
+            flag = err if err is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
             self.k.decode(
-                st["words"], st["blk_wo"], st["blk_nw"], st["blk_n"], st["blk_tab"], st["blk_out"], st["tab"], out, err
+                st["words"], st["blk_wo"], st["blk_nw"], st["blk_n"], st["blk_tab"], st["blk_out"], st["tab"], out, flag
             )
-            if int(err.item()):  # the one sync of a decode
-                raise FormatError(
-                    f"{NAME}: a block is corrupt (a code not in the table, not exactly its byte "
-                    "count within exactly its words, or nonzero padding)"
-                )
+            if err is None:
+                self.check(flag)  # the one sync of a decode
         return [out[o : o + n] for o, n in zip(st["obase"], st["raw_lens"])]
+
+    @staticmethod
+    def check(err: torch.Tensor) -> None:
+        """Raise FormatError when the decode kernel flagged a corrupt block in ``err`` (synchronizes)."""
+        if int(err.item()):
+            raise FormatError(
+                f"{NAME}: a block is corrupt (a code not in the table, not exactly its byte "
+                "count within exactly its words, or nonzero padding)"
+            )
 
     def decode(self, streams: list[bytes | memoryview], raw_lens: list[int], pinned: Pinned | None = None) -> list[Any]:
         """Decode ``huff4k`` streams into uint8 device tensors of exactly ``raw_lens`` bytes. ``pinned``:
@@ -295,6 +342,14 @@ class DeviceCoder:
     def decompress(self, streams: list[bytes | memoryview], raw_lens: list[int]) -> list[torch.Tensor]:
         """:meth:`decode` of streams in host memory."""
         return self.decode(streams, raw_lens)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def device_coder(device: torch.device) -> DeviceCoder | None:

@@ -167,9 +167,12 @@ class Quantizer:
         clock: Clock,
         dtype: torch.dtype = torch.float32,
         columns: int | None = None,
+        col_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The group's coefficients ``[n, columns]`` (``columns``: at least the plan's components; the extra ones
-        stay zero) from its sections; ``dtype``: of the fused path's coefficients (the reference's are float32)."""
+        stay zero) from its sections; ``dtype``: of the fused path's coefficients (the reference's are float32).
+        ``col_scale`` (fused path): float32 ``[columns]`` factors applied to each column, saturated to ±448 (an
+        fp8 ``dtype``: the operand of an fp8 reconstruction)."""
         if self.fused:
             with clock("unpack"):
                 params = section_tensor(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n), self.device)
@@ -186,7 +189,7 @@ class Quantizer:
                 coeffs = torch.zeros((n, columns or pl.components), dtype=dtype, device=self.device)
                 for b in pl.buckets:
                     kernels.unpack_dequantize(
-                        coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing
+                        coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale
                     )
             return coeffs
         with clock("unpack"):

@@ -38,7 +38,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "eval.json, eval.md and eval.png."
         ),
     )
-    p.add_argument("--model", default="default", help="HF model dir or hub id (default: embedded SmolLM2)")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="HF model dir, hub id, or an embedded model: default (SmolLM2), smollm2, gemma3",
+    )
     p.add_argument("--calibration", help="calibration file (default: the embedded default's, built once)")
     p.add_argument(
         "--texts",

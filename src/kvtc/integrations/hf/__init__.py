@@ -4,7 +4,7 @@
   rotation (:func:`rope_spec_from_config`).
 * :mod:`.adapter`: :class:`ModelAdapter`, read once per model config (:func:`adapter_for`): the KV layout, the
   RoPE spec, ``DynamicCache`` -> :class:`~kvtc.layout.KVSlice` (:func:`extract_slice`) and back
-  (:func:`rebuild_cache`), and the calibration check (:func:`check_model`).
+  (:func:`rebuild_cache`, or layer by layer :func:`rebuild_cache_from_layers`), and the calibration check (:func:`check_model`).
 * :mod:`.cache`: a ``DynamicCache`` to a kvtc blob and back (:func:`compress_cache`, :func:`restore_cache`), and
   blobs on disk (:func:`save_blob`, :func:`load_blob`).
 """
@@ -18,6 +18,7 @@ from .adapter import (
     extract_slice,
     is_hybrid,
     rebuild_cache,
+    rebuild_cache_from_layers,
 )
 from .cache import DEFAULT_STORAGE_DTYPE, compress_cache, load_blob, restore_cache, save_blob
 from .rope_probe import rope_spec_from_config
@@ -34,6 +35,7 @@ __all__ = [
     "is_hybrid",
     "load_blob",
     "rebuild_cache",
+    "rebuild_cache_from_layers",
     "restore_cache",
     "rope_spec_from_config",
     "save_blob",

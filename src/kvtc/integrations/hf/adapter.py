@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -185,17 +186,41 @@ class ModelAdapter:
             _copy_linear_states(linear_states, cache)
         tokens = kv.num_tokens
         for i, li in enumerate(got.layers):
-            layer = cache.layers[li] if li < len(cache.layers) else None
             n = got.held(i, tokens)
-            k, v = keys[i][:, :, tokens - n :], values[i][:, :, tokens - n :]
-            if type(layer) is DynamicLayer and not layer.is_initialized:
-                # what update() would store, without its concatenation onto an empty tensor (a full extra copy)
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v
-            else:  # sliding-window, hybrid and other layers keep their own update logic (trimming, states)
-                cache.update(k, v, li)
-                if isinstance(layer, DynamicSlidingWindowLayer):
-                    layer.cumulative_length = tokens  # it has seen the whole sequence, holds its newest n tokens
+            _put(cache, li, keys[i][:, :, tokens - n :], values[i][:, :, tokens - n :], tokens)
+        return cache
+
+    def rebuild_layers(
+        self,
+        layers: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        model: PreTrainedModel | None = None,
+    ) -> DynamicCache:
+        """:meth:`rebuild` from layers handed over one at a time (``(real layer index, keys, values)``, each
+        ``[batch, tokens, heads, head_dim]`` with pre-RoPE keys, as :meth:`~kvtc.codec.Codec.decode_layers`
+        yields them): each layer is rotated and stored as it arrives, so a GPU decoder can still be computing
+        later layers while earlier ones are placed. ``positions``: int64 ``[batch, tokens]``. Every KV layer of
+        the layout must come, once."""
+        if model is not None:
+            self._own(model)
+        lay = self.layout
+        cache = DynamicCache(config=self.config)
+        seen = []
+        for li, k, v in layers:
+            if li not in lay.layers or li in seen or k.dim() != 4 or k.shape != v.shape:
+                raise LayoutError(f"layer {li} with keys {tuple(k.shape)} does not fit {_shape(lay)} (or came twice)")
+            seen.append(li)
+            dtype = model.dtype if model is not None else k.dtype
+            device = model.device if model is not None else k.device
+            keys = self.rope.apply_to_heads(k.unsqueeze(2).to(device), positions.to(device), (li,), dtype)[0]
+            values = v.to(device=device, dtype=dtype).transpose(1, 2).contiguous()
+            keys = keys.clone() if _shares_storage(keys, k) else keys
+            values = values.clone() if _shares_storage(values, v) else values
+            tokens = int(k.shape[1])
+            n = lay.held(lay.layers.index(li), tokens)  # a sliding-window layer keeps its newest tokens
+            _put(cache, li, keys[:, :, tokens - n :], values[:, :, tokens - n :], tokens)
+        if sorted(seen) != sorted(lay.layers):
+            raise LayoutError(f"got layers {sorted(seen)}, the model's KV layers are {list(lay.layers)}")
         return cache
 
     def _own(self, model: PreTrainedModel) -> None:
@@ -288,6 +313,18 @@ def rebuild_cache(
     return adapter.rebuild(kv, _config_and_model(model_or_config)[1], linear_states=linear_states)
 
 
+def rebuild_cache_from_layers(
+    layers: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+    positions: torch.Tensor,
+    model_or_config: PreTrainedModel | PreTrainedConfig,
+) -> DynamicCache:
+    """:func:`rebuild_cache` from layers handed over one at a time, e.g. ``codec.decode_layers(blob,
+    device="cuda")``: see :meth:`ModelAdapter.rebuild_layers` (dense models; hybrid models use
+    :func:`rebuild_cache`)."""
+    adapter = adapter_for(model_or_config)
+    return adapter.rebuild_layers(layers, positions, _config_and_model(model_or_config)[1])
+
+
 def check_model(calibration: Calibration, model: PreTrainedModel | PreTrainedConfig) -> None:
     """Refuse a calibration made for another model (layout or RoPE differ):
     :meth:`~kvtc.calibration.artifact.Calibration.check_model` with the model's layout and RoPE."""
@@ -309,6 +346,20 @@ def _shape(layout: KVLayout) -> str:
     windows = sorted({x for x in layout.max_tokens if x})
     held = f", sliding layers holding {windows} tokens" if windows else ""
     return f"layers {layers}, {layout.num_kv_heads} KV heads{heads} of {layout.head_dim}{held}"
+
+
+def _put(cache: DynamicCache, li: int, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
+    """Store one layer's ``[B, H, n, D]`` keys (RoPE applied) and values, the newest ``n`` of a ``tokens``-long
+    sequence, into a fresh cache."""
+    layer = cache.layers[li] if li < len(cache.layers) else None
+    if type(layer) is DynamicLayer and not layer.is_initialized:
+        # what update() would store, without its concatenation onto an empty tensor (a full extra copy)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    else:  # sliding-window, hybrid and other layers keep their own update logic (trimming, states)
+        cache.update(keys, values, li)
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = tokens  # it has seen the whole sequence, holds its newest n tokens
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
