@@ -14,8 +14,9 @@ Agreement: for every prompt the engines score the reference tokens teacher-force
 share of positions where the restoring engine's top-1 token equals the baseline's, averaged over the prompts.
 Bytes per stored token: the store's entries over the tokens they hold, against vLLM's own bf16 KV for those tokens
 (K and V of every layer: what vLLM keeps for a token while it is inside every layer's window). Without
-``--calibration`` a small calibration is built first (8,160 tokens of the pre-2000 speeches, plain squared error,
-ratio 16 only). Writes the ``vllm_gemma`` section of BENCHMARKS.md and ``results/vllm_gemma.json``.
+``--calibration``, Gemma's default calibration (``default_calibration(model="gemma3")``: 100K tokens of the pre-2000
+speeches, sensitivity-weighted; built once and cached). Writes the ``vllm_gemma`` section of BENCHMARKS.md and
+``results/vllm_gemma.json``.
 """
 
 from __future__ import annotations
@@ -36,26 +37,6 @@ from _report import ROOT, command, machine, publish, table  # noqa: E402
 SCENARIOS = ROOT / "tests" / "vllm_scenarios.py"
 RESTORED = re.compile(r"KVTCConnector: restored (\d+) tokens in ([\d.]+) s \(([^)]*)\)")
 STORED = re.compile(r"KVTCConnector: stored (\d+) tokens in ([\d.]+) s \(([^)]*)\)")
-
-
-def small_calibration(path: Path, ratio: float) -> Path:
-    """A quick Gemma-3-270M calibration (8,160 tokens, no sensitivity weighting) for ``ratio``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvtc import assets
-    from kvtc.calibration import Recipe
-    from kvtc.integrations.hf_calibrate import calibrate_model
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from vllm_scenarios import model_dir
-
-    src = model_dir("gemma3")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(src)
-    recipe = Recipe(tokens=8160, ratios=(ratio,), sensitivity="none")
-    cal = calibrate_model(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), recipe, progress=False)
-    return cal.save(path)
 
 
 def engine(tmp: Path, name: str, *args: str) -> tuple[dict, str]:
@@ -93,8 +74,10 @@ def main() -> None:
             calibration = Path(args.calibration).resolve()
             cal_note = f"calibration `{Path(args.calibration).name}`"
         else:
-            calibration = small_calibration(tmp / "gemma-small.kvtc-calib", args.ratio)
-            cal_note = "a small calibration built by the script (8,160 tokens, plain squared error)"
+            from kvtc.integrations.hf_calibrate import default_calibration
+
+            calibration = default_calibration(model="gemma3")
+            cal_note = "Gemma's default calibration (100K tokens of the pre-2000 speeches, sensitivity-weighted)"
         common = ["--model", "gemma3", "--prompts", str(args.prompts), "--prefix", str(args.prefix)]
         common += ["--scored", str(args.scored), "--max-len", str(args.prefix + 48 + args.scored + 64)]
         kv = ["--mode", "kvtc", "--store", f"file://{tmp}/store", "--calibration", str(calibration)]
@@ -143,7 +126,7 @@ def main() -> None:
             f"{len(sizes)} entries of 256 tokens. Restore: {restores[0][1] if restores else float('nan'):.2f} s for "
             f"{restores[0][0] if restores else 0:,} tokens ({restores[0][2] if restores else 'n/a'}); each stored "
             f"chunk took {statistics.median(s for _, s, _ in saves) if saves else float('nan'):.2f} s to encode "
-            "and store on the background thread (median).",
+            "and store in the codec process (median).",
         ]
     )
     result = {

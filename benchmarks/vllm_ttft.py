@@ -8,7 +8,7 @@ same settings: one without a connector (the baseline) and one with the connector
 
 * cold: ``--reps`` times, a request with a new ``--prefix``-token prefix and a 16-token question; vLLM computes the
   whole prompt; with the connector the prefix's chunks are copied out of the cache in that step and encoded and
-  stored on the connector's background thread (after the first token, so the time to first token pays only the
+  stored by the connector's codec process (after the first token, so the time to first token pays only the
   copy);
 * hit (connector only): once the chunks are stored, vLLM's own prefix cache is reset and the same prefix comes with
   another question: the connector restores the prefix, vLLM computes only the question;
@@ -142,7 +142,7 @@ def main() -> None:
             f"Tokens served from the store per hit: {ct['hit_cached']}. In the cold step the connector copied the "
             f"prefix out of the cache in {statistics.median(queued) if queued else float('nan'):.3f} s; encoding "
             f"and storing then took {statistics.median(saves) if saves else float('nan'):.2f} s per 256-token chunk "
-            f"on the background thread; a restore took {loads[0][0] if loads else float('nan'):.2f} s "
+            f"in the codec process; a restore took {loads[0][0] if loads else float('nan'):.2f} s "
             f"({loads[0][1] if loads else 'n/a'}). Decode speed: median of {len(stored_in_window)} rounds of "
             f"{args.decode_tokens} tokens per request, each measured over the steps after the 2 long prompts' "
             f"prefill ({windows} s with the connector), "

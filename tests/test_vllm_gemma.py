@@ -29,7 +29,6 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLL
     pytest.skip(f"vLLM is not importable ({e!r})", allow_module_level=True)
 
 from test_vllm_connector import NEAR_TIE_NATS, _divergences, _run, _tokens  # noqa: E402
-from vllm_scenarios import model_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +38,7 @@ HMA_OFF = "Turning off hybrid kv cache manager"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    try:
-        model_dir("gemma3")
-    except SystemExit as e:
-        pytest.skip(str(e))
+def runs(tmp_path_factory, gemma3_dir):
     tmp = tmp_path_factory.mktemp("vllm-gemma")
     store = f"file://{tmp}/store"
     common = ["--model", "gemma3", "--prompts", str(PROMPTS), "--prefix", str(PREFIX), "--sequential"]

@@ -34,16 +34,10 @@ GEN_TOKENS = 16
 
 
 def model_dir(name: str):
-    """The HF directory of an embedded model: ``smollm2`` or ``gemma3``."""
+    """The HF directory of an embedded model: ``smollm2`` or ``gemma3`` (built once from its wheels)."""
     from kvtc import assets
 
-    if name == "smollm2":
-        return assets.smollm2_dir()
-    finder = getattr(assets, "gemma3_dir", None)
-    path = finder() if finder is not None else assets.cache_dir() / "models" / "gemma-3-270m"
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"Gemma-3-270M is not in the asset cache ({path})")
-    return path
+    return assets.smollm2_dir() if name == "smollm2" else assets.gemma3_dir()
 
 
 def build_prompts(
