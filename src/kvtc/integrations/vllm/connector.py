@@ -1,14 +1,14 @@
 """`KVTCConnector`: a vLLM V1 KV connector that keeps compressed prefixes in a kvtc store.
 
 Store path: after each forward (``wait_for_save``, plain Python, outside any compiled region) the worker
-copies the request chunks that this step completed out of every layer's paged tensor; a background thread then
-undoes RoPE at the tokens' absolute positions, encodes them with :class:`kvtc.codec.Codec` and puts the blob in
-the store under the vLLM prefix-cache hash of the chunk's last block (a hash chains over the whole prefix, so
+copies the request chunks that this step completed out of every layer's paged tensor; the worker's codec process
+(:mod:`.helper`) then undoes RoPE at the tokens' absolute positions, encodes them with :class:`kvtc.codec.Codec` and
+puts the blob in the store under the vLLM prefix-cache hash of the chunk's last block (a hash chains over the whole prefix, so
 identical prefixes share one entry across requests and engine restarts).
 
 Load path: the scheduler offers the longest run of stored chunks that follows the engine's own prefix-cache
-hit (never the whole prompt) as an asynchronous load; the worker decodes those chunks in ``start_load_kv``,
-re-applies RoPE, casts to the cache dtype, writes the slots and reports the request done. A missing, corrupt or
+hit (never the whole prompt) as an asynchronous load; the worker decodes those chunks in ``start_load_kv`` (the
+second half in its codec process), re-applies RoPE, casts to the cache dtype, writes the slots and reports the request done. A missing, corrupt or
 mismatched blob fails the request's load (``failed_recving``): vLLM recomputes it
 (``kv_load_failure_policy="recompute"``), the scheduler stops offering the entry, and nothing that failed to
 decode is ever served.
