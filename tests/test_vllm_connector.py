@@ -230,3 +230,7 @@ def test_corrupt_entry_is_recomputed_with_a_warning(runs):
     )
     bad = [d for d in _divergences(runs["baseline"]["requests"], got) if d[2] > NEAR_TIE_NATS]
     assert not bad, bad
+    # What vLLM reports is true: the request whose load failed is recomputed and looked up again, and the store then
+    # offers only the chunk before the damaged one (chunk 1 of the prefix): 256 cached tokens, not the 1,024 it was
+    # first offered. The other requests waited for it and found its computed prefix in vLLM's own cache.
+    assert sorted(r["cached"] for r in got)[0] == 256, [r["cached"] for r in got]
