@@ -261,3 +261,53 @@ def test_calibration_of_same_shape_other_rope(calibration, store):
 def test_direct_construction_is_checked_too():
     with pytest.raises(ConfigError, match=r"ratio='x' is not a number"):
         ConnectorConfig(codec="identity", ratio="x")
+
+
+def _kv_cache_config(*specs):
+    """vLLM's own KV-cache configuration with one group per spec (layers named like vLLM names them)."""
+    vkci = pytest.importorskip("vllm.v1.kv_cache_interface")
+    groups = [vkci.KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)]
+    return vkci.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_kv_cache_groups_of_the_hybrid_manager():
+    """Sliding-window groups keep their window (the layer holds window - 1 tokens), full-attention groups all."""
+    import torch
+
+    vkci = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from kvtc.integrations.vllm.groups import cache_groups
+
+    common = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.bfloat16}
+    cfg = _kv_cache_config(
+        vkci.SlidingWindowSpec(16, sliding_window=512, **common), vkci.FullAttentionSpec(16, **common)
+    )
+    slid, full = cache_groups(cfg, 16)
+    assert (slid.window, slid.held, slid.layer_names) == (512, 511, ("model.layers.0.self_attn.attn",))
+    assert (full.window, full.held, full.block_size) == (0, 0, 16)
+    assert len(cache_groups(None, 128)) == 1  # no configuration: one group of every layer
+
+
+def test_latent_and_recurrent_caches_are_refused():
+    """MLA and state-space (Mamba) groups: refused at startup, naming the model and the fix."""
+    import torch
+
+    vkci = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from kvtc.integrations.vllm.groups import cache_groups
+
+    mla = _kv_cache_config(vkci.MLAAttentionSpec(16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))
+    with pytest.raises(ConfigError, match=r"'m' uses multi-head latent attention .* without kv_transfer_config"):
+        cache_groups(mla, 16, "'m'")
+    mamba = _kv_cache_config(vkci.MambaSpec(16, shapes=((4, 8),), dtypes=(torch.float32,)))
+    with pytest.raises(ConfigError, match=r"KV-cache group of kind MambaSpec .* serve this model without"):
+        cache_groups(mamba, 16)
+
+
+def test_chunk_longer_than_a_sliding_window():
+    """A chunk must fit in what a sliding-window layer holds (window - 1 tokens): the fix names a size that does."""
+    from kvtc.integrations.vllm.groups import check_chunk
+
+    check_chunk(256, 128, (511, 0, 511))  # Gemma-3 with the default chunk: fits
+    with pytest.raises(ConfigError, match=r"chunk_tokens=512 is longer than the 511 tokens .* such as 384"):
+        check_chunk(512, 128, (511, 0))
+    with pytest.raises(ConfigError, match=r"chunk_tokens=128 .* --block-size 64 .* no larger than 127"):
+        check_chunk(128, 128, (127,))

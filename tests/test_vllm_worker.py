@@ -1,25 +1,35 @@
 """Worker side of the vLLM connector on real paged tensors and a real file store, without an engine: what it
-stores and restores, what it reports to vLLM as load errors, and that its DEBUG lines say what happened."""
+stores and restores (per KV-cache group, skipping the blocks a sliding-window group dropped), what it reports to
+vLLM as finished and failed loads, and that its DEBUG lines say what happened."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
+from kvtc.errors import ConfigError  # noqa: E402
 from kvtc.integrations.vllm.codecs import Codecs  # noqa: E402
 from kvtc.integrations.vllm.config import ConnectorConfig, ConnectorSetup, open_connector_store  # noqa: E402
+from kvtc.integrations.vllm.groups import CacheGroup  # noqa: E402
 from kvtc.integrations.vllm.metadata import LoadJob, StoreJob  # noqa: E402
 from kvtc.integrations.vllm.worker import WorkerSide  # noqa: E402
 
-LAYERS, HEADS, DIM, BLOCK, CHUNK, BLOCKS = 2, 2, 16, 16, 32, 8
+LAYERS, HEADS, DIM, BLOCK, CHUNK, BLOCKS = 2, 2, 16, 16, 32, 12
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def _worker(store_url: str, seed: int | None = None) -> WorkerSide:
+def _worker(
+    store_url: str,
+    seed: int | None = None,
+    groups: tuple[CacheGroup, ...] = (),
+    background: bool = False,
+    max_pending_bytes: int = 1 << 30,
+) -> WorkerSide:
     """A rank-0 worker with CPU-layout bf16 caches ([blocks, heads, block_size, 2 * head_dim]) per layer,
     random when ``seed`` is given, zero otherwise."""
     config = ConnectorConfig(codec="identity", store=store_url, chunk_tokens=CHUNK)
@@ -31,13 +41,17 @@ def _worker(store_url: str, seed: int | None = None) -> WorkerSide:
         tp_size=1,
         total_kv_heads=HEADS,
         head_dim=DIM,
+        groups=groups,
     )
     g = torch.Generator().manual_seed(seed or 0)
     caches = {}
     for name in NAMES:
         c = torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).bfloat16()
         caches[name] = c if seed is not None else torch.zeros_like(c)
-    w = WorkerSide(setup, Codecs(config, None, None), 0, open_connector_store(config, setup.namespace(0)))
+    store = open_connector_store(config, setup.namespace(0))
+    w = WorkerSide(
+        setup, Codecs(config, None, None), 0, store, background=background, max_pending_bytes=max_pending_bytes
+    )
     w.attach(caches, modules={}, cache_dtype="auto")
     return w
 
@@ -49,33 +63,119 @@ def _debug_lines(caplog) -> list[str]:
 def test_store_then_restore_and_a_missing_chunk(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvtc.vllm")
     url = f"file://{tmp_path}/store"
-    src = _worker(url, seed=1)
-    blocks = [5, 2, 7, 0]  # two chunks of two blocks each
-    src.save([StoreJob("a", "key0", 0, blocks[:2])])
+    src = _worker(url, seed=1, background=True)
+    blocks = [5, 2, 7, 1]  # two chunks of two blocks each
+    src.save([StoreJob("a", "key0", 0, [blocks[:2]])])
+    assert _debug_lines(caplog)[-1].startswith(f"KVTCConnector: queued for storing {CHUNK} tokens in ")
+    src.close()  # drains the background queue
     line = _debug_lines(caplog)[-1]
     assert line.startswith(f"KVTCConnector: stored {CHUNK} tokens in ") and " bytes" in line, line
 
-    dst = _worker(url)
-    other = [1, 3, 4, 6]
-    dst.load([LoadJob("b", other, 0, 2 * CHUNK, ["key0", "key-never-stored"], 0)])
+    dst = _worker(url, background=True)  # restores of two chunks or more: the codec process decodes the second half
+    other = [3, 4, 6, 8]
+    dst.load([LoadJob("b", [other], 0, 2 * CHUNK, ["key0", "key-never-stored"], 0)])
     line = _debug_lines(caplog)[-1]
-    assert line.startswith(f"KVTCConnector: restored {CHUNK} tokens in "), line  # not 64: chunk 1 failed
-    assert f"{CHUNK} tokens not restored" in line, line
-    assert dst.take_load_errors() == {4, 6}  # the failed chunk's blocks go back to vLLM for recompute
-    assert dst.take_load_errors() == set()
-    for name in NAMES:  # chunk 0 landed in the new blocks exactly, chunk 1's blocks untouched
-        s, d = src.layers[NAMES.index(name)].cache, dst.layers[NAMES.index(name)].cache
-        assert torch.equal(d[1], s[5]) and torch.equal(d[3], s[2])
-        assert not d[4].any() and not d[6].any()
-    dst.save([StoreJob("b", "key1", 1, other)])  # the step that ran on the failed load stores nothing
-    assert not dst.store.contains("key1")
+    assert line.startswith("KVTCConnector: restored 0 tokens in "), line  # chunk 1 failed: the request is redone
+    assert f"{2 * CHUNK} tokens not restored" in line, line
+    assert dst.take_finished_loads() == ({"b"}, {"b"})  # finished, and failed: vLLM recomputes the request
+    assert dst.take_finished_loads() == (set(), set())
+    report = dst.take_report()
+    assert report is not None and report.bad_keys == {"key-never-stored"}  # never offered again
+    assert not any(dst.layers[i].cache.any() for i in range(LAYERS))  # nothing written for a failed request
+
+    dst.load([LoadJob("c", [other], 0, CHUNK, ["key0"], 0)])
+    assert dst.take_finished_loads() == ({"c"}, set())
+    assert _debug_lines(caplog)[-1].startswith(f"KVTCConnector: restored {CHUNK} tokens in ")
+    for i in range(LAYERS):  # chunk 0 landed in the new blocks exactly, the other blocks untouched
+        s, d = src.layers[i].cache, dst.layers[i].cache
+        assert torch.equal(d[3], s[5]) and torch.equal(d[4], s[2])
+        assert not d[6].any() and not d[8].any()
+    dst.close()
+
+
+def test_a_restore_split_with_the_codec_process(tmp_path):
+    """Three chunks: the worker decodes the first two, the codec process the third; all land exactly, and a load
+    that starts inside its first chunk writes only its own tokens."""
+    url = f"file://{tmp_path}/store"
+    src = _worker(url, seed=6)
+    ids = [1, 2, 3, 4, 5, 6]
+    src.save([StoreJob("a", f"k{c}", c, [ids]) for c in range(3)])
+    dst = _worker(url, background=True)
+    new = [7, 8, 9, 10, 11, 2]
+    dst.load([LoadJob("b", [new], 0, 3 * CHUNK, ["k0", "k1", "k2"], 0)])
+    dst.load([LoadJob("c", [[0, 3, 4, 5]], BLOCK, 2 * CHUNK, ["k0", "k1"], 0)])  # tokens 16..63 (block 0 local)
+    assert dst.take_finished_loads() == ({"b", "c"}, set())
+    for i in range(LAYERS):
+        s, d = src.layers[i].cache, dst.layers[i].cache
+        for a, b in zip(ids, new):
+            assert torch.equal(d[b], s[a])
+        assert torch.equal(d[3], s[2]) and torch.equal(d[4], s[3]) and torch.equal(d[5], s[4])
+        assert not d[0].any()
+    dst.close()
+
+
+def test_a_damaged_entry_is_removed_and_reported(tmp_path):
+    url = f"file://{tmp_path}/store"
+    src = _worker(url, seed=3)
+    src.save([StoreJob("a", "key0", 0, [[1, 2]])])
+    assert src.store.put("key0", src.store.get("key0")[:-7])  # a truncated blob: the decoder refuses it
+    dst = _worker(url)
+    dst.load([LoadJob("b", [[3, 4]], 0, CHUNK, ["key0"], 0)])
+    assert dst.take_finished_loads() == ({"b"}, {"b"})
+    assert dst.take_report().bad_keys == {"key0"}
+    assert not dst.store.contains("key0")  # stored again when this engine computes those tokens
 
 
 def test_a_refused_put_is_not_reported_as_stored(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvtc.vllm")
     w = _worker(f"file://{tmp_path}/small?max_bytes=1000", seed=2)  # a chunk is ~8 KB: the store refuses it
-    w.save([StoreJob("a", "key0", 0, [0, 1])])
+    w.save([StoreJob("a", "key0", 0, [[2, 3]])])
     line = _debug_lines(caplog)[-1]
     assert line.startswith("KVTCConnector: stored 0 tokens in "), line
-    assert "bytes" not in line and "1 chunks refused by the store" in line, line
+    assert "bytes" not in line and "1 chunks refused by the store or dropped" in line, line
     assert not w.store.contains("key0")
+    assert w.take_report().unsaved == {"key0"}  # the scheduler may submit it again
+
+
+def test_groups_restore_into_their_own_blocks(tmp_path):
+    """Layer 0 in a sliding-window group (window 48: holds 47 tokens, so 32-token chunks fit), layer 1 in a
+    full-attention group. Restoring 64 tokens: the sliding group's table has vLLM's null block where the window
+    no longer reaches (block 0 of the cache must stay untouched), the full group has all its blocks."""
+    groups = (CacheGroup(BLOCK, (NAMES[0],), window=48), CacheGroup(BLOCK, (NAMES[1],)))
+    url = f"file://{tmp_path}/store"
+    src = _worker(url, seed=4, groups=groups)
+    assert src.layout.max_tokens == (47, 0)  # the calibration's convention: window - 1
+    src_ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    src.save([StoreJob("a", "k0", 0, src_ids), StoreJob("a", "k1", 1, src_ids)])
+    dst = _worker(url, groups=groups)
+    dst_ids = [[0, 0, 9, 10], [2, 3, 4, 11]]  # sliding group: the first two blocks dropped (null)
+    dst.load([LoadJob("b", dst_ids, 0, 2 * CHUNK, ["k0", "k1"], 0)])
+    assert dst.take_finished_loads() == ({"b"}, set())
+    s0, d0 = src.layers[0].cache, dst.layers[0].cache
+    s1, d1 = src.layers[1].cache, dst.layers[1].cache
+    assert torch.equal(d0[9], s0[3]) and torch.equal(d0[10], s0[4])
+    assert not d0[0].any() and not d0[2].any()  # null block and the other group's blocks untouched
+    for a, b in zip([5, 6, 7, 8], [2, 3, 4, 11]):
+        assert torch.equal(d1[b], s1[a])
+    assert not d1[9].any() and not d1[10].any()
+
+
+def test_a_chunk_longer_than_a_window_is_refused(tmp_path):
+    groups = (CacheGroup(BLOCK, (NAMES[0],), window=24), CacheGroup(BLOCK, (NAMES[1],)))
+    with pytest.raises(ConfigError, match=r"chunk_tokens=32 is longer than the 23 tokens .* such as 16"):
+        _worker(f"file://{tmp_path}/store", groups=groups)
+
+
+def test_encoder_process_queue_is_bounded(tmp_path, caplog):
+    """Chunks wait for the encoder process in shared-memory copies, at most ``max_pending_bytes`` of them (one chunk
+    is ~8 KB here): the second chunk, submitted while the first waits for the process to start, is dropped and
+    reported; the first is stored before the worker closes."""
+    caplog.set_level(logging.DEBUG, logger="kvtc.vllm")
+    w = _worker(f"file://{tmp_path}/store", seed=5, background=True, max_pending_bytes=10_000)
+    w.save([StoreJob("a", "k0", 0, [[1, 2]]), StoreJob("a", "k1", 1, [[1, 2, 3, 4]])])
+    assert "1 chunks refused by the store or dropped" in _debug_lines(caplog)[-1]
+    assert w.take_report().unsaved == {"k1"}
+    copies = Path(w.helper.dir)
+    w.close()
+    assert w.store.contains("k0") and not w.store.contains("k1")
+    assert not copies.exists()  # the shared-memory copies are gone

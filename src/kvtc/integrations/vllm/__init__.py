@@ -7,7 +7,9 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KVTCConnector", "kv_conne
 need only torch (the startup checks of a configuration can run without an engine).
 
 Modules: :mod:`.connector` (the facade vLLM loads), :mod:`.scheduler` and :mod:`.worker` (its two sides),
-:mod:`.config` (configuration and its validation), :mod:`.codecs`, :mod:`.metadata`, :mod:`.paged`.
+:mod:`.helper` (the worker's codec process), :mod:`.chunks` (one chunk to a blob and back), :mod:`.groups` (vLLM's
+KV-cache groups), :mod:`.config` (configuration and its validation), :mod:`.codecs`, :mod:`.metadata`,
+:mod:`.paged`.
 """
 
 from __future__ import annotations

@@ -194,7 +194,10 @@ class ConnectorSetup:
     """What both halves of the connector share: the configuration and the engine's facts.
 
     ``model``: the model as vLLM names it (path or hub id); ``model_dtype``: vLLM's model dtype as text;
-    ``calibration_hash``: the calibration's content hash (``"none"`` for the identity codec).
+    ``calibration_hash``: the calibration's content hash (``"none"`` for the identity codec). ``block_size``:
+    tokens per block (with several KV-cache groups, the least common multiple of theirs: a chunk is a whole number
+    of blocks in every group); ``groups``: vLLM's KV-cache groups (:class:`~.groups.CacheGroup`; empty: one group
+    of every layer); ``hash_block_size``: tokens per prefix-cache hash (0: ``block_size``).
     """
 
     config: ConnectorConfig
@@ -206,6 +209,8 @@ class ConnectorSetup:
     head_dim: int
     hash_algo: str = "sha256"
     calibration_hash: str = "none"
+    groups: tuple = ()
+    hash_block_size: int = 0
 
     def __post_init__(self) -> None:
         chunk, bs = self.config.chunk_tokens, self.block_size
@@ -219,7 +224,11 @@ class ConnectorSetup:
             )
 
     @classmethod
-    def from_vllm(cls, config: ConnectorConfig, vllm_config: VllmConfig, calibration_hash: str) -> ConnectorSetup:
+    def from_vllm(
+        cls, config: ConnectorConfig, vllm_config: VllmConfig, calibration_hash: str, kv_cache_config: Any = None
+    ) -> ConnectorSetup:
+        from .groups import cache_groups, check_chunk, lcm_block
+
         parallel = vllm_config.parallel_config
         if int(parallel.pipeline_parallel_size) != 1:
             raise ConfigError(
@@ -227,17 +236,24 @@ class ConnectorSetup:
                 "not support pipeline parallelism yet; set pipeline_parallel_size to 1"
             )
         model, cache = vllm_config.model_config, vllm_config.cache_config
-        return cls(
+        groups = cache_groups(kv_cache_config, int(cache.block_size), f"the served model {str(model.model)!r}")
+        block = lcm_block(groups)
+        hash_block = int(getattr(kv_cache_config, "hash_block_size", None) or block)
+        setup = cls(
             config=config,
             model=str(model.model),
             model_dtype=str(model.dtype),
-            block_size=int(cache.block_size),
+            block_size=math.lcm(block, hash_block),
             tp_size=int(parallel.tensor_parallel_size),
             total_kv_heads=int(model.get_total_num_kv_heads()),
             head_dim=int(model.get_head_size()),
             hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
             calibration_hash=calibration_hash,
+            groups=groups,
+            hash_block_size=hash_block,
         )
+        check_chunk(setup.chunk, setup.block_size, tuple(g.held for g in groups))
+        return setup
 
     @property
     def chunk(self) -> int:

@@ -1,16 +1,21 @@
 """`KVTCConnector`: a vLLM V1 KV connector that keeps compressed prefixes in a kvtc store.
 
 Store path: after each forward (``wait_for_save``, plain Python, outside any compiled region) the worker
-takes the request chunks that this step completed, reads them from every layer's paged tensor, undoes RoPE
-at the tokens' absolute positions, encodes them with :class:`kvtc.codec.Codec` and puts the blob in the
-store under the vLLM prefix-cache hash of the chunk's last block (a hash chains over the whole prefix, so
+copies the request chunks that this step completed out of every layer's paged tensor; the worker's codec process
+(:mod:`.helper`) then undoes RoPE at the tokens' absolute positions, encodes them with :class:`kvtc.codec.Codec` and
+puts the blob in the store under the vLLM prefix-cache hash of the chunk's last block (a hash chains over the whole prefix, so
 identical prefixes share one entry across requests and engine restarts).
 
 Load path: the scheduler offers the longest run of stored chunks that follows the engine's own prefix-cache
-hit (never the whole prompt); the worker decodes those chunks in ``start_load_kv``, re-applies RoPE, casts
-to the cache dtype and writes the slots before the forward. A missing, corrupt or mismatched blob is
-reported through ``get_block_ids_with_load_errors`` so that vLLM recomputes those tokens
-(``kv_load_failure_policy="recompute"``); nothing that failed to decode is ever served.
+hit (never the whole prompt) as an asynchronous load; the worker decodes those chunks in ``start_load_kv`` (the
+second half in its codec process), re-applies RoPE, casts to the cache dtype, writes the slots and reports the request done. A missing, corrupt or
+mismatched blob fails the request's load (``failed_recving``): vLLM recomputes it
+(``kv_load_failure_policy="recompute"``), the scheduler stops offering the entry, and nothing that failed to
+decode is ever served.
+
+KV-cache groups: the connector declares vLLM's hybrid-allocator support (``SupportsHMA``), so a model that mixes
+sliding-window and full attention keeps vLLM's hybrid KV-cache manager; each layer is restored into its own
+group's blocks (see :mod:`.groups`).
 
 The connector reaches vLLM only through the connector API and public configuration: no patching.
 Configuration (``kv_connector_extra_config``), see :class:`~.config.ConnectorConfig`; it is checked when the
@@ -27,11 +32,19 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
 
 from .codecs import Codecs
 from .config import ConnectorConfig, ConnectorSetup, open_connector_store
-from .metadata import KVTCConnectorMetadata, LoadJob, StoreJob
+from .groups import mla_refused
+from .metadata import KVTCConnectorMetadata, KVTCWorkerMetadata, LoadJob, StoreJob
 from .scheduler import SchedulerSide
 from .worker import WorkerSide, worker_rank
 
@@ -41,12 +54,13 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtc.vllm")
 
 
-class KVTCConnector(KVConnectorBase_V1):
+class KVTCConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 connector: store compressed prefix chunks after each step, restore them on a prefix hit.
 
     Construction is the startup check: the configuration is parsed, the calibration loaded and checked against
@@ -67,8 +81,11 @@ class KVTCConnector(KVConnectorBase_V1):
                 ktc.kv_load_failure_policy,
             )
         model = vllm_config.model_config
-        codecs = Codecs.for_model(self.config, model.hf_config, model=f"the served model {str(model.model)!r}")
-        self.setup = ConnectorSetup.from_vllm(self.config, vllm_config, codecs.calibration_hash)
+        name = f"the served model {str(model.model)!r}"
+        if getattr(model, "use_mla", False):
+            raise mla_refused(name)
+        codecs = Codecs.for_model(self.config, model.hf_config, model=name)
+        self.setup = ConnectorSetup.from_vllm(self.config, vllm_config, codecs.calibration_hash, kv_cache_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -79,13 +96,18 @@ class KVTCConnector(KVConnectorBase_V1):
             store = open_connector_store(self.config, self.setup.namespace(rank))
             self.worker = WorkerSide(self.setup, codecs, rank, store, vllm_config)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is only a future cache miss
+
     def namespace(self, rank: int) -> str:
         return self.setup.namespace(rank)
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.matched(request, num_computed_tokens), False
+        n = self.scheduler.matched(request, num_computed_tokens)
+        return n, bool(n)  # loaded between steps: vLLM holds the request until the load is reported
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
@@ -95,10 +117,22 @@ class KVTCConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.build(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            meta = connector_output.kv_connector_worker_meta
+            done = set(connector_output.finished_recving or ())
+            failed = set(getattr(connector_output, "failed_recving", None) or ())
+            self.scheduler.worker_report(meta if isinstance(meta, KVTCWorkerMetadata) else None, done, failed)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.finished(request.request_id)
-        return False, None
+        return False, None  # saves work on copies: the blocks may be freed at once
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
 
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -110,7 +144,7 @@ class KVTCConnector(KVConnectorBase_V1):
         self.worker.load(self._metadata().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv restores every layer before the forward starts
+        return  # loads are asynchronous: a request runs only after its load is reported done
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saving happens after the forward, in wait_for_save
@@ -119,8 +153,18 @@ class KVTCConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.save(self._metadata().stores)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors() if self.worker is not None else set()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_report() if self.worker is not None else None
 
     def shutdown(self) -> None:
         for side in (self.scheduler, self.worker):

@@ -44,6 +44,9 @@ SPLITS = ("content", "rows", "kv_first", "kv_second", "kv_first_hnd", "probed")
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+#: vLLM's null block: what a block table holds where a sliding-window KV-cache group has dropped a block.
+NULL_BLOCK = 0
+
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> torch.Tensor:
     """Slots (int64 ``[stop - start]``) of token positions ``start..stop-1`` of a request owning ``block_ids``."""
@@ -54,6 +57,20 @@ def slots_for(block_ids: Sequence[int], block_size: int, start: int, stop: int) 
     pos = torch.arange(start, stop, dtype=torch.int64)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
     return blocks[pos // block_size] * block_size + pos % block_size
+
+
+class SharedIndex:
+    """Storage offsets of one run of slots, computed once for all layer tensors that share a layout and strides."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+        self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def __call__(self, paged: PagedLayout, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (id(paged), cache.stride(), cache.device)
+        if key not in self.memo:
+            self.memo[key] = paged.index(cache, self.slots)
+        return self.memo[key]
 
 
 @dataclass(frozen=True)
@@ -142,6 +159,44 @@ class PagedLayout:
         lin = lin.to(cache.device)
         blk, off = slots // self.block_size, slots % self.block_size
         return (blk * st[0])[:, None, None] + lin[which][off]
+
+    def copy_blocks(
+        self, cache: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A contiguous copy of blocks ``block_ids`` of ``cache``, laid out like the cache (block ``i`` of the copy
+        is ``block_ids[i]``), into ``out`` when given: whole blocks move as plain memory copies, and :meth:`gather`
+        reads the copy later with slots ``0..len(block_ids) * block_size - 1``."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        axis = self.block_axis()
+        if out is None:
+            return cache.index_select(axis, ids)
+        return torch.index_select(cache, axis, ids, out=out)
+
+    def block_axis(self) -> int:
+        """The axis of a layer tensor that indexes blocks."""
+        return 1 if self.split in ("kv_first", "kv_first_hnd") else 0
+
+    def write_blocks(
+        self,
+        cache: torch.Tensor,
+        block_ids: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        index: SharedIndex | None = None,
+    ) -> None:
+        """Write whole blocks: ``keys``/``values`` ``[len(block_ids) * block_size, heads, head_dim]`` fill blocks
+        ``block_ids`` in order. The blocks are laid out in a small contiguous buffer first (:meth:`scatter`), then
+        copied into the cache block by block: much faster than scattering into the large cache tensor."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        axis = self.block_axis()
+        shape = list(cache.shape)
+        shape[axis] = len(ids)
+        local = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        slots = torch.arange(len(ids) * self.block_size, dtype=torch.int64, device=cache.device)
+        self.scatter(local, slots, keys, values, k_scale, v_scale, index(self, local) if index is not None else None)
+        cache.index_copy_(axis, ids, local)
 
     def index(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Precomputed K and V storage offsets of ``slots`` for :meth:`gather` / :meth:`scatter` (``"probed"``

@@ -1,29 +1,35 @@
 """Worker side of the connector: the paged caches of one tensor-parallel rank, restored and stored by chunk.
 
-Runs in each vLLM worker process. ``register`` learns every layer's paged layout and checks the calibration
-against the layout this rank holds; ``load`` decodes the chunks the scheduler planned, re-applies RoPE and
-writes the slots before the forward; ``save`` reads completed chunks after the forward, undoes RoPE, encodes
-them and puts them in the store. A chunk that cannot be restored is reported to vLLM as a load error (it is
-recomputed, never served), and the step that ran on it stores nothing.
+Runs in each vLLM worker process. ``register`` learns every layer's paged layout and KV-cache group and checks the
+calibration against the layout this rank holds; ``load`` decodes the chunks the scheduler planned (the second half
+of a restore in the codec process, :mod:`.helper`, beside the worker), re-applies RoPE and writes each layer's
+blocks in its group (a sliding-window group only has the window's); ``save`` copies completed chunks out of the
+cache and hands them to the codec process, which undoes RoPE, encodes them and puts them in the store. A request
+whose chunks cannot all be restored is reported to vLLM as a failed load (vLLM recomputes it, nothing is served
+from it), and the entries at fault as unusable.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import KVTCError, LayoutError
-from ...layout import KVLayout, KVSlice
+from ...layout import KVLayout
 from ...progress import StageTimer
 from ...store import Store
+from .chunks import ChunkCodec
 from .codecs import Codecs
 from .config import ConnectorSetup
-from .metadata import LoadJob, StoreJob
-from .paged import PagedLayout, probe_writer, slots_for
+from .groups import CacheGroup, check_chunk
+from .helper import DEFAULT_MAX_PENDING_BYTES, CodecProcess, RestoreError
+from .metadata import KVTCWorkerMetadata, LoadJob, StoreJob
+from .paged import NULL_BLOCK, PagedLayout, SharedIndex, probe_writer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtc.vllm")
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: seconds a shutting-down worker waits for queued saves
+FLUSH_TIMEOUT_S = 600.0
 
 
 def worker_rank(tp_size: int) -> int:
@@ -50,14 +58,24 @@ class _Layer:
     paged: PagedLayout
     k_scale: float
     v_scale: float
+    group: int = 0
+    held: int = 0  # tokens the layer holds before the current one (0: all)
 
 
 class WorkerSide:
     """The caches of rank ``rank`` and their store. ``vllm_config`` is read only to find the attention modules
-    of the registered caches."""
+    of the registered caches. ``background=False``: no codec process; saves are encoded and stored inside
+    :meth:`save` and restores decoded by the worker alone (tests)."""
 
     def __init__(
-        self, setup: ConnectorSetup, codecs: Codecs, rank: int, store: Store, vllm_config: VllmConfig | None = None
+        self,
+        setup: ConnectorSetup,
+        codecs: Codecs,
+        rank: int,
+        store: Store,
+        vllm_config: VllmConfig | None = None,
+        background: bool = True,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         self.setup = setup
         self.codecs = codecs
@@ -65,14 +83,26 @@ class WorkerSide:
         self.heads = setup.heads(rank)
         self.store = store
         self.vllm_config = vllm_config
+        self.groups: tuple[CacheGroup, ...] = setup.groups or (CacheGroup(setup.block_size),)
         self.layers: list[_Layer] = []
         self.modules: dict[str, Any] = {}
         self.layout: KVLayout | None = None
-        self.load_errors: set[int] = set()
-        self.failed_reqs: set[str] = set()
+        self.chunks: ChunkCodec | None = None
         self.verified = False
+        self.loaded: set[str] = set()  # requests whose load finished since the last report
+        self.failed: set[str] = set()  # ... of which these failed
+        self._report_lock = threading.Lock()
+        self.bad_keys: set[str] = set()
+        self.unsaved: set[str] = set()
+        self.background = background
+        self.max_pending_bytes = max_pending_bytes
+        self.helper: CodecProcess | None = None
 
     def close(self) -> None:
+        if self.helper is not None:
+            left = self.helper.pending
+            if not self.helper.close(FLUSH_TIMEOUT_S):
+                logger.warning("KVTCConnector: %d chunks were still being stored at shutdown", left)
         self.store.close()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -89,6 +119,7 @@ class WorkerSide:
         """Take the paged caches (layer name -> tensor) with their attention modules (a layer without one is
         read with the CPU backend's layout) and check that the calibration fits the layout they hold."""
         head_dim = self.setup.head_dim
+        group_of = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
         layers = []
         for name, cache in kv_caches.items():
             m = _LAYER_INDEX.search(name)
@@ -97,6 +128,8 @@ class WorkerSide:
             module = modules.get(name)
             backend = module.get_attn_backend().get_name() if module is not None else "CPU_ATTN"
             paged = PagedLayout.for_backend(backend, cache, len(self.heads), head_dim, cache_dtype)
+            g = group_of.get(name, 0)
+            window = getattr(module, "sliding_window", None) or self.groups[g].window
             layers.append(
                 _Layer(
                     name,
@@ -105,6 +138,8 @@ class WorkerSide:
                     paged,
                     float(getattr(module, "_k_scale_float", 1.0)),
                     float(getattr(module, "_v_scale_float", 1.0)),
+                    group=g,
+                    held=int(window) - 1 if window else 0,
                 )
             )
         if not layers:
@@ -119,11 +154,23 @@ class WorkerSide:
             head_dim=head_dim,
             heads=self.heads,
             dtype=self.codecs.dtype(torch.float32 if first.paged.fp8_dtype else first.cache.dtype),
+            max_tokens=tuple(x.held for x in layers),
         )
+        check_chunk(self.setup.chunk, self.setup.block_size, self.layout.max_tokens)
         self.codecs.check(self.layout)  # at startup: this rank's layout against the calibration
+        model_id, namespace = self.setup.model_id, self.setup.namespace(self.rank)
+        self.chunks = ChunkCodec(self.codecs, self.layout, self.setup.chunk, model_id, self.store)
+        if self.background and self.helper is None:  # starts up (calibration, store) while the engine does
+            setup = ChunkCodec.setup(
+                self.setup.config, namespace, self.layout, self.codecs.rope, self.codecs.model, model_id
+            )
+            self.helper = CodecProcess(setup, self._saved, self.max_pending_bytes)
         logger.info(
-            "KVTCConnector: %d layers, heads %s of %d, %s split, chunk %d tokens, store namespace %s",
+            "KVTCConnector: %d layers in %d KV-cache group(s)%s, heads %s of %d, %s split, chunk %d tokens, "
+            "store namespace %s",
             len(layers),
+            len(self.groups),
+            "".join(f", window {g.window}" for g in self.groups if g.window)[:80],
             self.heads,
             self.setup.total_kv_heads,
             first.paged.split,
@@ -154,169 +201,218 @@ class WorkerSide:
 
                 probed[sig] = probe_writer(layer.cache, write, len(self.heads), self.setup.head_dim, layer.cache.dtype)
             layer.paged = probed[sig]
+        assert self.chunks is not None
+        self.chunks.pageds = [x.paged for x in self.layers]
+        self.chunks.scales = [(x.k_scale, x.v_scale) for x in self.layers]
+        if self.helper is not None:
+            self.helper.send_layers(self.chunks.pageds, self.chunks.scales)
 
     # -- load ----------------------------------------------------------------------------------
     def load(self, jobs: list[LoadJob]) -> None:
-        """Restore the planned chunks; what cannot be restored is reported by :meth:`take_load_errors`."""
+        """Restore the planned requests; each is then reported done, and failed unless all of it was restored."""
         if not jobs:
             return
         self._verify()
         clock = _Timings()
-        bs = self.setup.block_size
         for job in jobs:
             try:
-                upto = self._load_one(job, clock)
+                ok = self._load_one(job, clock)
             except Exception as e:  # noqa: BLE001 - any failure means "recompute", never "serve"
                 logger.warning("KVTCConnector: restoring %s failed (%s); vLLM will recompute it", job.req_id, e)
-                upto = job.start
-            if upto < job.stop:
-                self.load_errors.update(job.block_ids[upto // bs : (job.stop + bs - 1) // bs])
-                self.failed_reqs.add(job.req_id)
-                clock.failed += job.stop - upto
+                ok = False
+            if ok:
+                clock.tokens += job.stop - job.start
+            else:
+                clock.failed += job.stop - job.start
+            with self._report_lock:
+                self.loaded.add(job.req_id)
+                if not ok:
+                    self.failed.add(job.req_id)
         logger.debug("KVTCConnector: restored %s", clock)
 
-    def _load_one(self, job: LoadJob, clock: _Timings) -> int:
-        """Restore what can be restored of ``job``; returns the first token not restored (``job.stop``: all)."""
-        chunk, bs = self.setup.chunk, self.setup.block_size
-        parts: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        upto = job.stop
-        for i, key in enumerate(job.keys):
-            c = job.first_chunk + i
-            lo, hi = max(job.start, c * chunk), min(job.stop, (c + 1) * chunk)
+    def _load_one(self, job: LoadJob, clock: _Timings) -> bool:
+        """Restore all of ``job`` (True), or report the first entry that cannot be restored (False)."""
+        n = self.setup.chunk
+        chunks = [(key, job.first_chunk + i) for i, key in enumerate(job.keys)]
+        mine, theirs = chunks, []
+        helper = self.helper
+        if helper is not None and helper.alive and len(chunks) > 1:  # the codec process decodes the second half
+            half = (len(chunks) + 1) // 2
+            mine, theirs = chunks[:half], chunks[half:]
+        ticket = helper.request_restore(theirs) if theirs and helper is not None else None
+        if theirs and ticket is None:
+            mine, theirs = chunks, []
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, c in mine:
             try:
                 with clock("store"):
                     blob = self.store.get(key)
                 if blob is None:
                     raise KVTCError("entry missing or corrupt in the store")
                 with clock("decode"):
-                    keys, values = self._decode(blob, c)
+                    parts.append(self.chunks.restore(blob, c))  # type: ignore[union-attr]
             except Exception as e:  # noqa: BLE001
-                logger.warning(
-                    "KVTCConnector: chunk %d of request %s (tokens %d..%d, key %s…) cannot be restored (%s); "
-                    "vLLM will recompute it",
-                    c,
-                    job.req_id,
-                    lo,
-                    job.stop,
-                    key[:16],
-                    e,
-                )
-                upto = lo
-                break
-            off = lo - c * chunk
-            parts.append((lo, hi, keys[off : off + hi - lo], values[off : off + hi - lo]))
-        if not parts:
-            return upto
+                self._refuse(job, key, c, e)
+                if ticket is not None:
+                    try:
+                        helper.restored(ticket)  # type: ignore[union-attr] - collected, then dropped
+                    except RestoreError:
+                        pass
+                return False
+        if ticket is not None:
+            try:
+                with clock("wait"):
+                    parts.append(helper.restored(ticket))  # type: ignore[union-attr]
+            except RestoreError as e:
+                self._refuse(job, e.key, None, e)
+                return False
         with clock("write"):
-            lo, hi = parts[0][0], parts[-1][1]
-            keys = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
-            values = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
-            slots = slots_for(job.block_ids, bs, lo, hi)
-            index = _SharedIndex(slots)
+            keys = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            values = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            off = job.start - job.first_chunk * n  # the load may start inside its first chunk
+            self._write(job, keys[off : off + job.stop - job.start], values[off : off + job.stop - job.start])
+        return True
+
+    def _refuse(self, job: LoadJob, key: str | None, chunk: int | None, e: Exception) -> None:
+        where = f"chunk {chunk} of request {job.req_id}" if chunk is not None else f"a chunk of request {job.req_id}"
+        logger.warning(
+            "KVTCConnector: %s (key %s…) cannot be restored (%s); vLLM will recompute the request",
+            where,
+            (key or "?")[:16],
+            e,
+        )
+        if key is not None:
+            self._forget(key)
+
+    def _write(self, job: LoadJob, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write tokens ``job.start..job.stop-1`` (whole blocks) into each layer's blocks in its group, skipping
+        the blocks a sliding-window group dropped."""
+        for g, group in enumerate(self.groups):
+            bs = group.block_size
+            if job.start % bs or job.stop % bs:
+                raise LayoutError(f"tokens {job.start}..{job.stop} are not whole blocks of {bs}")
+            ids = job.block_ids[g][job.start // bs : job.stop // bs]
+            kept = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
+            if not kept:
+                continue
+            sel = None
+            if len(kept) < len(ids):
+                sel = (torch.tensor(kept)[:, None] * bs + torch.arange(bs)).flatten()
+            k_g, v_g = (keys, values) if sel is None else (keys[sel], values[sel])
+            index = SharedIndex(torch.arange(len(kept) * bs, dtype=torch.int64))
             for li, layer in enumerate(self.layers):
-                layer.paged.scatter(
-                    layer.cache, slots, keys[:, li], values[:, li], layer.k_scale, layer.v_scale, index=index(layer)
-                )
-        clock.tokens += hi - lo
-        return upto
+                if layer.group == g:
+                    layer.paged.write_blocks(
+                        layer.cache, [ids[i] for i in kept], k_g[:, li], v_g[:, li], layer.k_scale, layer.v_scale, index
+                    )
 
-    def _decode(self, blob: bytes, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-RoPE keys and values ``[chunk_tokens, layers, heads, head_dim]`` of stored chunk ``chunk``."""
-        assert self.layout is not None
-        codecs = self.codecs
-        kv = codecs.codec(self.layout, chunk == 0).decode(blob)
-        n = self.setup.chunk
-        if kv.layout != self.layout:
-            raise LayoutError(f"blob holds layout {kv.layout}, expected {self.layout}")
-        if kv.positions.shape != (1, n) or not torch.equal(
-            kv.positions[0], torch.arange(chunk * n, (chunk + 1) * n, dtype=torch.int64)
-        ):
-            raise LayoutError("blob holds other token positions than the chunk it is stored under")
-        if codecs.post_rope:
-            return kv.keys[0], kv.values[0]
-        assert codecs.rope is not None
-        keys = codecs.rope.apply(kv.keys.float(), kv.positions, self.layout.layers)[0]
-        return keys, kv.values[0]
+    def _forget(self, key: str) -> None:
+        """An entry that cannot be restored: removed from the store (this engine stores it again when it computes
+        those tokens) and reported to the scheduler, which stops offering it."""
+        try:
+            self.store.delete(key)
+        except Exception:  # noqa: BLE001 - the report below keeps it from being offered either way
+            pass
+        with self._report_lock:
+            self.bad_keys.add(key)
 
-    def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
-        return errors
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose load finished since the last call, and those of them that failed."""
+        with self._report_lock:
+            done, failed = self.loaded, self.failed
+            self.loaded, self.failed = set(), set()
+        return done, failed
+
+    def take_report(self) -> KVTCWorkerMetadata | None:
+        """Entries found unusable and chunks not stored since the last call, for the scheduler."""
+        with self._report_lock:
+            if not self.bad_keys and not self.unsaved:
+                return None
+            meta = KVTCWorkerMetadata(self.bad_keys, self.unsaved)
+            self.bad_keys, self.unsaved = set(), set()
+        return meta
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, jobs: list[StoreJob]) -> None:
-        """Encode and store the completed chunks (a chunk that fails is only a future cache miss)."""
-        failed, self.failed_reqs = self.failed_reqs, set()
+        """Copy the completed chunks out of the cache and queue them for the codec process (a chunk that cannot
+        be copied or queued is only a future cache miss)."""
         if not jobs:
             return
         self._verify()
         clock = _Timings()
         for job in jobs:
-            if job.req_id in failed:
-                continue  # this step ran on KV that failed to load: never store what it produced
+            blocks: list[torch.Tensor] = []
+            queued = False
             try:
-                blob = self._encode(job, clock)
-                with clock("store"):
-                    stored = self.store.put(job.key, blob)
+                with clock("read"):
+                    sources = self._sources(job)
+                    if self.helper is not None:
+                        queued = self.helper.submit(job.key, job.chunk, sources)
+                    else:
+                        blocks = [p.copy_blocks(c, ids) for p, c, ids in sources]
             except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
-                logger.warning("KVTCConnector: storing chunk %d of %s failed: %s", job.chunk, job.req_id, e)
+                logger.warning("KVTCConnector: reading chunk %d of %s failed: %s", job.chunk, job.req_id, e)
+                self._unsaved(job.key)
                 continue
-            if stored:
+            if self.helper is None:
+                self._save_inline(job, blocks)
+            elif queued:
                 clock.tokens += self.setup.chunk
-                clock.bytes += len(blob)
             else:
                 clock.refused += 1
-        logger.debug("KVTCConnector: stored %s", clock)
+                self._unsaved(job.key)
+        if self.helper is not None:
+            logger.debug("KVTCConnector: queued for storing %s", clock)
 
-    def _encode(self, job: StoreJob, clock: _Timings) -> bytes:
-        assert self.layout is not None
-        n, bs = self.setup.chunk, self.setup.block_size
-        codecs = self.codecs
-        dt = self.layout.torch_dtype
-        with clock("read"):
-            slots = slots_for(job.block_ids, bs, job.chunk * n, (job.chunk + 1) * n)
-            ks, vs = [], []
-            index = _SharedIndex(slots)
-            for layer in self.layers:
-                k, v = layer.paged.gather(
-                    layer.cache,
-                    slots,
-                    layer.k_scale,
-                    layer.v_scale,
-                    dtype=dt if codecs.post_rope else torch.float32,
-                    index=index(layer),
-                )
-                ks.append(k)
-                vs.append(v)
-            positions = torch.arange(job.chunk * n, (job.chunk + 1) * n, dtype=torch.int64)[None]
-            keys = torch.stack(ks, dim=1)[None]  # [1, tokens, layers, heads, head_dim]
-            values = torch.stack(vs, dim=1)[None]
-        with clock("encode"):
-            if not codecs.post_rope:
-                assert codecs.rope is not None
-                keys = codecs.rope.invert(keys, positions, self.layout.layers)
-            kv = KVSlice(self.layout, keys.to(dt), values.to(dt), positions, model_id=self.setup.model_id)
-            return codecs.codec(self.layout, job.chunk == 0).encode(kv)
+    def _unsaved(self, key: str) -> None:
+        with self._report_lock:
+            self.unsaved.add(key)
 
+    def _sources(self, job: StoreJob) -> list[tuple[PagedLayout, torch.Tensor, list[int]]]:
+        """Per layer: its paged layout, its cache and the blocks holding the job's chunk."""
+        n = self.setup.chunk
+        start = job.chunk * n
+        blocks = []
+        for g, group in enumerate(self.groups):
+            bs = group.block_size
+            ids = job.block_ids[g][start // bs : (start + n + bs - 1) // bs]
+            if len(ids) * bs != n or NULL_BLOCK in ids:
+                raise LayoutError(f"KV-cache group {g} no longer holds the chunk's blocks")
+            blocks.append(ids)
+        return [(layer.paged, layer.cache, blocks[layer.group]) for layer in self.layers]
 
-class _SharedIndex:
-    """Storage offsets of one run of slots, computed once for all layers that share a layout and strides."""
+    def _saved(self, key: str, size: int | None, seconds: dict[str, float], error: str | None) -> None:
+        """The word on one chunk's save (from the codec process's reply thread, or inline)."""
+        if error is not None:
+            logger.warning("KVTCConnector: storing the chunk under key %s… failed: %s", key[:16], error)
+        clock = _Timings()
+        clock.seconds.update(seconds)
+        if size is not None:
+            clock.tokens, clock.bytes = self.setup.chunk, size
+        else:
+            if error is None:
+                clock.refused += 1  # the store did not take it (e.g. larger than its max_bytes)
+            self._unsaved(key)
+        logger.debug("KVTCConnector: stored %s", clock.summary(sum(seconds.values())))
 
-    def __init__(self, slots: torch.Tensor) -> None:
-        self.slots = slots
-        self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
-
-    def __call__(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-        key = (id(layer.paged), layer.cache.stride(), layer.cache.device)
-        if key not in self.memo:
-            self.memo[key] = layer.paged.index(layer.cache, self.slots)
-        return self.memo[key]
+    def _save_inline(self, job: StoreJob, blocks: list[torch.Tensor]) -> None:
+        """Encode and store one chunk here (no codec process)."""
+        clock = _Timings()
+        try:
+            size = self.chunks.save(job.key, job.chunk, blocks, clock)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
+            self._saved(job.key, None, clock.seconds, f"{type(e).__name__}: {e}")
+            return
+        self._saved(job.key, size, clock.seconds, None)
 
 
 class _Timings(StageTimer):
-    """What one step's loads or saves did, and the seconds spent per stage (logged at DEBUG level).
+    """What a step's loads, one step's copies for storing, or one chunk's save did, and the seconds per stage
+    (logged at DEBUG level).
 
-    ``tokens``: tokens restored into the cache, or stored (accepted by the store); ``bytes``: stored bytes;
-    ``failed``: planned tokens not restored (vLLM recomputes them); ``refused``: chunks the store did not take.
+    ``tokens``: tokens restored into the cache, queued for storing, or stored (accepted by the store); ``bytes``:
+    stored bytes; ``failed``: planned tokens not restored (vLLM recomputes them); ``refused``: chunks the store
+    did not take, or the save queue had no room for.
     """
 
     def __init__(self) -> None:
@@ -327,11 +423,14 @@ class _Timings(StageTimer):
         self.refused = 0
 
     def __str__(self) -> str:
+        return self.summary(self.elapsed())
+
+    def summary(self, seconds: float) -> str:
         notes = [f"{k} {v:.3f}" for k, v in self.seconds.items()]
         if self.bytes:
             notes.append(f"{self.bytes} bytes")
         if self.failed:
             notes.append(f"{self.failed} tokens not restored, recomputed by vLLM")
         if self.refused:
-            notes.append(f"{self.refused} chunks refused by the store")
-        return f"{self.tokens} tokens in {self.elapsed():.3f} s ({', '.join(notes)})"
+            notes.append(f"{self.refused} chunks refused by the store or dropped")
+        return f"{self.tokens} tokens in {seconds:.3f} s ({', '.join(notes)})"
