@@ -1,4 +1,5 @@
-"""Sensitivity weighting: the paper's plain squared error against Fisher-weighted PCA + DP, on SmolLM2-135M.
+"""Sensitivity weighting: the paper's plain squared error against Fisher-weighted PCA + DP, on an embedded model
+(``--model``: SmolLM2-135M by default, or Gemma-3-270M).
 
 One set of calibration rows (``--tokens`` of the pre-2000 speeches) and the sensitivity measured on
 ``--sensitivity-windows`` windows of the same speeches (the mean squared loss gradient per cached feature) feed
@@ -33,6 +34,7 @@ from kvtc.integrations.hf_calibrate import collect_rows, measure_sensitivity
 TEXTS = {"sotu-2000on": "speeches from 2000 on", "wikipedia": "Wikipedia"}
 #: variant -> (description, resolution or None, Fisher labels, normalisation: "joint" = one constant over keys and
 #: values and the K/V split on summed weighted errors; "kind" = each kind to mean 1, split on relative errors)
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma-3-270M"}
 VARIANTS = {
     "none": ("none (the paper's squared error)", None, None, None),
     "head": ("per (layer, KV head), joint", "head", "text", "joint"),
@@ -40,11 +42,15 @@ VARIANTS = {
     "feature-model": ("per feature, joint, labels drawn from the model (true Fisher)", "feature", "model", "joint"),
     "feature-kind": ("per feature, per kind", "feature", "text", "kind"),
     "feature-kind-model": ("per feature, per kind, labels drawn from the model", "feature", "model", "kind"),
+    "feature-kind-v1": ("per feature, per kind, values ×1", "feature", "text", "kind"),
 }
+#: the values' weight in the K/V split of each variant (the library's default where not named)
+VALUE_WEIGHTS = {"feature-kind-v1": 1.0}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="sensitivity")
+    ap.add_argument("--model", default="smollm2", help="an embedded model: smollm2 (default) or gemma3")
     ap.add_argument("--tokens", type=int, default=30_000)
     ap.add_argument("--sensitivity-windows", type=int, default=8)
     ap.add_argument("--windows", type=int, default=4)
@@ -59,7 +65,7 @@ def main(argv: list[str]) -> int:
         return 0
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model, tok = assets.load_model("default")
+    model, tok = assets.load_model(args.model)
     layout, rope = describe_model(model)
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
     fishers = {
@@ -77,6 +83,8 @@ def main(argv: list[str]) -> int:
             )
             if norm == "joint":
                 recipe = recipe.replace(split_errors="weighted", value_weight=1.0)
+            if name in VALUE_WEIGHTS:
+                recipe = recipe.replace(value_weight=VALUE_WEIGHTS[name])
         cal = fit_calibration(layout, rows, recipe, feature_scale=scales, rope=rope.to_dict())
         methods += [KVTC(cal, r, name=name, label=f"{name} {r:g}x") for r in args.ratios]
     del rows
@@ -88,6 +96,7 @@ def main(argv: list[str]) -> int:
         "name": args.name,
         "command": _report.command(),
         "machine": _report.machine(),
+        "model": args.model,
         "tokens": args.tokens,
         "sensitivity_windows": args.sensitivity_windows,
         "windows": args.windows,
@@ -101,7 +110,7 @@ def main(argv: list[str]) -> int:
 
 def markdown(result: dict) -> str:
     lines = [
-        "### Sensitivity weighting (SmolLM2-135M)",
+        f"### Sensitivity weighting ({MODEL_NAMES.get(result.get('model', 'smollm2'), result.get('model'))})",
         "",
         f"`{result['command']}` — {result['machine']['date']}, {result['seconds'] / 60:.1f} min. Calibrations "
         f"from the same {result['tokens']:,} tokens of pre-2000 speeches, differing only in the feature weights "
