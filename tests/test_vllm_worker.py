@@ -179,3 +179,38 @@ def test_encoder_process_queue_is_bounded(tmp_path, caplog):
     w.close()
     assert w.store.contains("k0") and not w.store.contains("k1")
     assert not copies.exists()  # the shared-memory copies are gone
+
+
+def test_connector_stats_count_what_happened(tmp_path):
+    """The counters vLLM collects (``get_kv_connector_stats``) add up what was stored, refused, restored and
+    recomputed, byte for byte, and are emptied by each collection."""
+    from kvtc.integrations.vllm.connector import KVTCConnector, KVTCStats
+
+    url = f"file://{tmp_path}/store"
+    src = _worker(url, seed=4)
+    src.save([StoreJob("a", "k0", 0, [[1, 2, 3, 4]]), StoreJob("a", "k1", 1, [[1, 2, 3, 4]])])
+    taken = src.tally.take()
+    sizes = len(src.store.get("k0")) + len(src.store.get("k1"))
+    assert taken["stored_chunks"] == 2 and taken["stored_tokens"] == 2 * CHUNK and taken["stored_bytes"] == sizes
+    assert src.tally.take()["stored_chunks"] == 0  # emptied by the collection
+
+    dst = _worker(url)
+    dst.load([LoadJob("b", [[5, 6, 7, 8]], 0, 2 * CHUNK, ["k0", "k1"], 0)])
+    dst.load([LoadJob("c", [[9, 10]], 0, CHUNK, ["never-stored"], 0)])
+    got = dst.tally.take()
+    assert got["restored_tokens"] == 2 * CHUNK and got["restore_failed_tokens"] == CHUNK
+
+    small = _worker(f"file://{tmp_path}/small?max_bytes=1000", seed=2)  # the store refuses ~8 KB chunks
+    small.save([StoreJob("a", "k0", 0, [[2, 3]])])
+    refused = small.tally.take()
+    assert refused["saves_refused"] == 1 and refused["stored_chunks"] == 0
+
+    total = (
+        KVTCConnector.build_kv_connector_stats(taken).aggregate(KVTCStats(data=got)).aggregate(KVTCStats(data=refused))
+    )
+    r = total.reduce()
+    assert (r["stored_tokens"], r["restored_tokens"], r["saves_refused"]) == (2 * CHUNK, 2 * CHUNK, 1)
+    assert r["stored_bytes_per_token"] == round(sizes / (2 * CHUNK), 1)
+    assert not total.is_empty() and KVTCConnector.build_kv_connector_stats(None).is_empty()
+    total.reset()
+    assert total.is_empty()

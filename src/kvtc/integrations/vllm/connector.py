@@ -29,6 +29,7 @@ This module is the facade vLLM loads (``kv_connector_module_path``); the halves 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,12 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .codecs import Codecs
 from .config import ConnectorConfig, ConnectorSetup, open_connector_store
 from .groups import mla_refused
 from .metadata import KVTCConnectorMetadata, KVTCWorkerMetadata, LoadJob, StoreJob
 from .scheduler import SchedulerSide
+from .stats import FIELDS
 from .worker import WorkerSide, worker_rank
 
 if TYPE_CHECKING:
@@ -58,6 +61,36 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtc.vllm")
+
+
+@dataclass
+class KVTCStats(KVConnectorStats):
+    """The counters of :data:`FIELDS` over some steps and workers (sums)."""
+
+    def __post_init__(self) -> None:
+        self.data = {name: int(self.data.get(name, 0)) for name in FIELDS}
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(FIELDS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVTCStats:
+        for name in FIELDS:
+            self.data[name] += int(other.data.get(name, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        tokens = self.data["stored_tokens"]
+        out["stored_bytes_per_token"] = round(self.data["stored_bytes"] / tokens, 1) if tokens else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def stats_from(data: dict[str, Any] | None) -> KVTCStats:
+    """:class:`KVTCStats` from a serialised payload (or empty)."""
+    return KVTCStats(data=dict(data or {}))
 
 
 class KVTCConnector(KVConnectorBase_V1, SupportsHMA):
@@ -162,6 +195,17 @@ class KVTCConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         done, failed = self.worker.take_finished_loads()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KVTCStats | None:
+        """This worker's counters since the last call (None on the scheduler, or when nothing happened)."""
+        if self.worker is None:
+            return None
+        stats = stats_from(self.worker.tally.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTCStats | None:
+        return stats_from(data)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_report() if self.worker is not None else None

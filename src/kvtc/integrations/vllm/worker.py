@@ -30,6 +30,7 @@ from .groups import CacheGroup, check_chunk
 from .helper import DEFAULT_MAX_PENDING_BYTES, CodecProcess, RestoreError
 from .metadata import KVTCWorkerMetadata, LoadJob, StoreJob
 from .paged import NULL_BLOCK, PagedLayout, SharedIndex, probe_writer
+from .stats import Tally
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +93,7 @@ class WorkerSide:
         self.loaded: set[str] = set()  # requests whose load finished since the last report
         self.failed: set[str] = set()  # ... of which these failed
         self._report_lock = threading.Lock()
+        self.tally = Tally()  # what vLLM collects through get_kv_connector_stats
         self.bad_keys: set[str] = set()
         self.unsaved: set[str] = set()
         self.background = background
@@ -222,8 +224,10 @@ class WorkerSide:
                 ok = False
             if ok:
                 clock.tokens += job.stop - job.start
+                self.tally.add(restored_tokens=job.stop - job.start)
             else:
                 clock.failed += job.stop - job.start
+                self.tally.add(restore_failed_tokens=job.stop - job.start)
             with self._report_lock:
                 self.loaded.add(job.req_id)
                 if not ok:
@@ -352,6 +356,7 @@ class WorkerSide:
                         blocks = [p.copy_blocks(c, ids) for p, c, ids in sources]
             except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
                 logger.warning("KVTCConnector: reading chunk %d of %s failed: %s", job.chunk, job.req_id, e)
+                self.tally.add(save_failures=1)
                 self._unsaved(job.key)
                 continue
             if self.helper is None:
@@ -360,6 +365,7 @@ class WorkerSide:
                 clock.tokens += self.setup.chunk
             else:
                 clock.refused += 1
+                self.tally.add(saves_refused=1)
                 self._unsaved(job.key)
         if self.helper is not None:
             logger.debug("KVTCConnector: queued for storing %s", clock)
@@ -389,9 +395,11 @@ class WorkerSide:
         clock.seconds.update(seconds)
         if size is not None:
             clock.tokens, clock.bytes = self.setup.chunk, size
+            self.tally.add(stored_chunks=1, stored_tokens=self.setup.chunk, stored_bytes=size)
         else:
             if error is None:
                 clock.refused += 1  # the store did not take it (e.g. larger than its max_bytes)
+            self.tally.add(**{"save_failures" if error is not None else "saves_refused": 1})
             self._unsaved(key)
         logger.debug("KVTCConnector: stored %s", clock.summary(sum(seconds.values())))
 
