@@ -147,6 +147,7 @@ def test_connector_touches_vllm_only_through_its_api():
     allowed = {
         "vllm.distributed.kv_transfer.kv_connector.v1.base",
         "vllm.distributed.kv_transfer.kv_connector.factory",  # register(): the plugin entry point
+        "vllm.distributed.kv_transfer.kv_connector.v1.metrics",  # KVConnectorStats: the connector's statistics
         "vllm.config",
         "vllm.distributed.parallel_state",
         "vllm.model_executor.layers.attention_layer_base",

@@ -405,6 +405,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # let a worker finish the chunks it is still storing when the engine stops (vLLM's grace period is 5 s; on a
+    # loaded machine the codec process, which runs at idle priority, may need longer)
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "300")
     res = run(args) if args.cmd == "run" else mla(args)
     with open(args.out, "w") as f:
         json.dump(res, f)

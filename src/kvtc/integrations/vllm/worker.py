@@ -103,6 +103,8 @@ class WorkerSide:
     def close(self) -> None:
         if self.helper is not None:
             left = self.helper.pending
+            if left:  # vLLM terminates the worker after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+                logger.info("KVTCConnector: finishing %d chunks being stored before shutting down", left)
             if not self.helper.close(FLUSH_TIMEOUT_S):
                 logger.warning("KVTCConnector: %d chunks were still being stored at shutdown", left)
         self.store.close()
