@@ -27,7 +27,7 @@ Per case and projection precision (bf16, fp8):
 
 ``python benchmarks/gpu_codec.py --out results.json [--quick] [--models llama-3.1-8b] [--calib-samples N]
 [--cases random,realistic] [--profile DIR]``; ``--write-spectrum CALIBRATION`` rewrites the spectrum file from a
-calibration; ``--profile`` writes a host (cProfile) and a device (torch.profiler) profile of one decompress per case.
+calibration; ``--profile`` writes a host (cProfile) and a device (torch.profiler) profile of one bf16 decompress per case.
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str, profile
             variants = split_variants(codec, pblob) if precision != "fp8" else {}
             if variants:
                 say(f"{label} {precision}: decompress ms by keys split {variants}")
-            if profile_dir:
+            if profile_dir and precision == "bf16":
                 profile_decode(codec, pblob, Path(profile_dir) / f"{label.replace('/', '_')}_{precision}", say)
             info = Codec.inspect(blob)
             n_mid = kv.batch * info["middle_tokens"]
