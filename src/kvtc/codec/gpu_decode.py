@@ -27,6 +27,7 @@ middle tokens are written by the product straight into the output when it has en
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -37,9 +38,8 @@ from ..calibration.artifact import KINDS
 from ..errors import FormatError
 from ..layout import DTYPES, KVSlice
 from ..quant import TYPE_BITS, TYPE_NAMES
-from . import container
+from . import container, crc
 from .buffers import section_tensor
-from .crc import crc32_submit
 from .entropy import decode_stream, device_coder
 from .huffman import BLOCK, NAME
 from .packing import packed_plane_bytes
@@ -52,7 +52,7 @@ DIRECT_MIN_TOKENS = 512
 #: components starts while the rest are still being copied and parsed
 SPLIT_MIN_MACS = 1 << 36
 #: the share of the keys' kept components in the first part (rounded down to a multiple of 8)
-SPLIT_FIRST = 0.25
+SPLIT_FIRST = 0.5
 _STREAMS: dict[tuple[str, str], torch.cuda.Stream] = {}
 
 
@@ -94,12 +94,22 @@ class _Events:
                 self.timings[key] = self.timings.get(key, 0.0) + a.elapsed_time(b) / 1e3
 
 
+def _phase_of(name: str) -> str:
+    """The phase prefix a section belongs to: "keys.", "values." or "rest." (positions, protected tokens)."""
+    return name[: name.index(".") + 1] if name.startswith(("keys.", "values.")) else "rest."
+
+
+def _crc_threads() -> int:
+    return max(2, min(32, os.cpu_count() or 2))
+
+
 class _Job:
     """One blob being restored: its checked header, sections, checksums in flight and decoded sections.
 
-    Phases: "keys" (every section but the values'; "keys1" and "keys2" when the keys are split: every section
-    but the values' with the blocks of the keys' sections that hold the first part's components, then the keys'
-    remaining blocks, decoded into the same buffer) and "values"."""
+    Phases, in this order: "keys" (the keys' coded sections; "keys1" and "keys2" when the keys are split: the
+    blocks of each that hold the first part's components, then the remaining blocks, decoded into the same
+    buffer), "rest" (positions and protected tokens, needed only once the keys' product is queued) and
+    "values"."""
 
     def __init__(self, codec: Any, coder: Any, header: container.Header, chunks: list, offsets: list, pinned: Any):
         self.codec, self.coder, self.header = codec, coder, header
@@ -114,6 +124,7 @@ class _Job:
         self.n = header.batch * header.middle_tokens
         self.coeffs: dict[str, torch.Tensor] = {}
         self.keep: dict[str, Any] = {}
+        self.host: dict[str, float] = {}  # host seconds of each phase's staging
         self.cut = self._cut()
 
     def _cut(self) -> int | None:
@@ -128,9 +139,14 @@ class _Job:
 
     def stage(self, phase: str) -> None:
         """Queue the copy and entropy decode of ``phase``'s sections (see the class)."""
+        t0 = time.perf_counter()
         h = self.header
-        values = phase == "values"
-        idx = [i for i, s in enumerate(h.sections) if s.name.startswith("values.") == values]
+        if phase == "rest" and self.pending is None:  # checksums on host threads from here on: the keys'
+            total = sum(len(c) for c in self.chunks)  # parsing, which the first product waits for, is done
+            piece = max(crc.PIECE, -(-total // _crc_threads()))  # one piece per thread: the lock taken rarely
+            self.pending = crc.crc32_submit(self.chunks, piece=piece)
+        prefix = "keys." if phase.startswith("keys") else phase + "."
+        idx = [i for i, s in enumerate(h.sections) if _phase_of(s.name) == prefix]
         dev = [i for i in idx if h.sections[i].backend == NAME]
         if phase != "keys2":
             for i in idx:
@@ -161,8 +177,7 @@ class _Job:
             if phase == "keys1":
                 self.keep.update(parsed=st["parsed"], buf=buf)
             self.secs.update({h.sections[i].name: t for i, t in zip(dev, outs)})
-        if self.pending is None:  # checksums start once the first phase is queued: the host threads that run
-            self.pending = crc32_submit(self.chunks)  # them would otherwise slow its parsing down
+        self.host[f"host.{phase}"] = time.perf_counter() - t0
 
     def _first_blocks(self) -> dict[str, int]:
         """The blocks of each keys section that hold the rows of the first part's components."""
@@ -214,8 +229,8 @@ class _Job:
 
     def check(self) -> None:
         """Raise FormatError for a checksum mismatch or a corrupt entropy block (waits for the device)."""
-        for s, crc in zip(self.header.sections, self.pending.result()):
-            if crc != s.crc32:
+        for s, got in zip(self.header.sections, self.pending.result()):
+            if got != s.crc32:
                 raise FormatError(f"section {s.name}: checksum mismatch; the blob is corrupt")
         self.coder.check(self.err)
 
@@ -297,33 +312,40 @@ def decode(codec: Any, blob: Any, timings: dict[str, float] | None = None) -> KV
     dt = DTYPES[lay.dtype]
     shape = (B, T, len(lay.layers), len(lay.heads), lay.head_dim)
     # (phase, kind, part): what the prep stream decodes, then what the current stream projects
-    steps = [("keys1", "keys", 0), ("keys2", "keys", 1)] if job.cut is not None else [("keys", "keys", None)]
-    steps.append(("values", "values", None))
-    out: dict[str, torch.Tensor] = {}
+    steps: list[tuple[str, str, int | None]] = [("keys", "keys", None)]
+    if job.cut is not None:
+        steps = [("keys1", "keys", 0), ("keys2", "keys", 1)]
+    steps += [("rest", "", None), ("values", "values", None)]
+    out = {kind: torch.empty(shape, dtype=dt, device=dev) for kind in KINDS}
     targets: dict[str, tuple[list, bool]] = {}
     t_first = None
     for phase, kind, part in steps:
         job.stage(phase)
+        if phase == "rest":  # protected tokens: rows the products do not write
+            job.ready()
+            for k in KINDS:
+                prot = section_tensor(job.secs[f"raw.{k}"], dt, (B, s + w, *shape[2:]), dev)
+                out[k][:, :s] = prot[:, :s]
+                out[k][:, T - w :] = prot[:, s:]
+            ev.mark("rest")
+            continue
         job.coefficients(kind, part)
         job.ready()
         if t_first is None:
             t_first = time.perf_counter()
         ev.mark(f"wait.{phase}")
-        if kind not in out:
-            prot = section_tensor(job.secs[f"raw.{kind}"], dt, (B, s + w, *shape[2:]), dev)
-            full = out[kind] = torch.empty(shape, dtype=dt, device=dev)
-            full[:, :s] = prot[:, :s]
-            full[:, T - w :] = prot[:, s:]
-            targets[kind] = _targets(full, s, w, m, dt, tr)
+        if kind not in targets:
+            targets[kind] = _targets(out[kind], s, w, m, dt, tr)
         _project(job, kind, part, targets[kind][0])
         if part != 0 and not targets[kind][1]:
-            out[kind][:, s : T - w] = targets[kind][0][0].to(dt).reshape(B, m, *shape[2:])
+            out[kind][:, s : T - w] = targets.pop(kind)[0][0].to(dt).reshape(B, m, *shape[2:])
         ev.mark(f"project.{phase}")
     positions = section_tensor(job.secs["positions"], torch.int64, (B, T), dev)
     t_queued = time.perf_counter()
     job.check()
     ev.report()
     if timings is not None:
+        timings.update(job.host)
         timings.update(
             {
                 "open": t_open - t0,
@@ -352,7 +374,7 @@ def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     dt = DTYPES[lay.dtype]
     hd = (len(lay.heads), lay.head_dim)
     width = hd[0] * hd[1]
-    for phase in ("keys1", "keys2", "values") if job.cut is not None else ("keys", "values"):
+    for phase in ("keys1", "keys2", "rest", "values") if job.cut is not None else ("keys", "rest", "values"):
         job.stage(phase)
     prot = {k: section_tensor(job.secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd), dev) for k in KINDS}
     for kind in KINDS:

@@ -277,8 +277,8 @@ class DeviceCoder:
         blk_tab = np.concatenate([np.full(b - a, TABLE * i, dtype=np.int64) for i, p, c, a, b in parts] + none)
         nb = len(blk_n)
         t_parse = time.perf_counter()
-        meta = torch.from_numpy(np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab]).astype(np.int64))
-        meta = meta.pin_memory() if self.cuda else meta
+        meta = torch.empty(max(5 * nb, 1), dtype=torch.int64, pin_memory=self.cuda)  # written in place: no copy
+        np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab], out=meta.numpy()[: 5 * nb], casting="unsafe")
         d_meta = meta.to(dev, non_blocking=True)
         if d_words is None:
             d_words = staging.to(dev, non_blocking=True)
@@ -297,7 +297,7 @@ class DeviceCoder:
             "blk_out": d_meta[nb : 2 * nb],
             "blk_nw": d_meta[2 * nb : 3 * nb].to(torch.int32),
             "blk_n": d_meta[3 * nb : 4 * nb].to(torch.int32),
-            "blk_tab": d_meta[4 * nb :].to(torch.int32),
+            "blk_tab": d_meta[4 * nb : 5 * nb].to(torch.int32),
         }
 
     def decode_device(
