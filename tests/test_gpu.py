@@ -314,9 +314,12 @@ def test_gpu_restore_with_keys_in_two_parts(setup, precision, monkeypatch):
     for i, (_layer, k, v) in enumerate(fast.decode_layers(pblob, device="cuda")):
         assert torch.equal(k, two.keys[:, :, i]) and torch.equal(v, two.values[:, :, i])
     ref = Codec(cal, ratio=16, backend="huff4k").decode(blob)
+    energy = float(ref.keys.float().square().sum())
     e1 = float((ref.keys.float() - x.cpu()).square().sum())
     e2 = float((ref.keys.float() - y.cpu()).square().sum())
-    assert e2 <= 1.1 * e1 + 1e-6 * float(ref.keys.float().square().sum())
+    assert e2 <= 2 * e1 + 1e-6 * energy  # bf16: the second rounding adds about what the first one costs
+    err_ref = float((ref.keys.float() - kv.keys.float()).square().sum())
+    assert float((y.cpu() - kv.keys.float()).square().sum()) <= 1.1 * err_ref + 1e-6 * energy
     # a flipped byte in the last block of a keys plane (decoded in the second part): refused by its checksum
     from kvtc.codec import container
     from kvtc.errors import FormatError
