@@ -26,7 +26,8 @@ Per case and projection precision (bf16, fp8):
 * ceilings: device-to-device copy bandwidth, bf16 matrix rate and pinned host copies, measured in the same run.
 
 ``python benchmarks/gpu_codec.py --out results.json [--quick] [--models llama-3.1-8b] [--calib-samples N]
-[--cases random,realistic]``; ``--write-spectrum CALIBRATION`` rewrites the spectrum file from a calibration.
+[--cases random,realistic] [--profile DIR]``; ``--write-spectrum CALIBRATION`` rewrites the spectrum file from a
+calibration; ``--profile`` writes a host (cProfile) and a device (torch.profiler) profile of one bf16 decompress per case.
 """
 
 from __future__ import annotations
@@ -146,6 +147,20 @@ def ceilings() -> dict:
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     t, _ = timed(lambda: x @ y, reps=10)
     mm = 2 * m**3 / t
+    # the restore's product shape (8,192 tokens x 10,000 components x 32,768 features), 16 back to back: the rate
+    # held over ~110 ms of products (the 8,192^3 figure above is a short burst)
+    c = torch.randn(8192, 10_000, device="cuda", dtype=torch.bfloat16)
+    basis = torch.randn(10_000, 32768, device="cuda", dtype=torch.bfloat16)
+    mean = torch.randn(32768, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(8192, 32768, device="cuda", dtype=torch.bfloat16)
+
+    def burst():
+        for _ in range(16):
+            torch.addmm(mean, c, basis, out=o)
+
+    t, _ = timed(burst, reps=3)
+    sustained = 16 * 2 * 8192 * 10_000 * 32768 / t
+    del c, basis, mean, o
     h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     t, _ = timed(lambda: h.copy_(a, non_blocking=True), reps=5)
     d2h = n / t
@@ -156,6 +171,7 @@ def ceilings() -> dict:
     return {
         "copy_GBps": copy / 1e9,
         "bf16_mm_TFLOPs": mm / 1e12,
+        "bf16_mm_restore_shape_sustained_TFLOPs": sustained / 1e12,
         "d2h_pinned_GBps": d2h / 1e9,
         "h2d_pinned_GBps": h2d / 1e9,
     }
@@ -286,8 +302,61 @@ def synthetic_slice(src, layout, batch: int, tokens: int):
     return KVSlice(layout, keys, values, pos, "synthetic")
 
 
+def split_variants(codec, pblob) -> dict:
+    """Decompress median ms with the keys in one part and with several first-part shares (the restore's
+    :data:`~kvtc.codec.gpu_decode.SPLIT_FIRST`; the default one is measured again here)."""
+    from kvtc.codec import gpu_decode
+
+    keep = gpu_decode.SPLIT_MIN_MACS, gpu_decode.SPLIT_FIRST
+    out = {}
+    try:
+        for name, macs, first in (
+            ("one_part", 1 << 62, keep[1]),
+            ("first_0.125", keep[0], 0.125),
+            ("first_0.25", keep[0], 0.25),
+            ("first_0.5", keep[0], 0.5),
+        ):
+            gpu_decode.SPLIT_MIN_MACS, gpu_decode.SPLIT_FIRST = macs, first
+            t, _ = timed(lambda: codec.decode(pblob, device="cuda"), reps=5)
+            out[name] = round(t * 1e3, 2)
+    finally:
+        gpu_decode.SPLIT_MIN_MACS, gpu_decode.SPLIT_FIRST = keep
+    return out
+
+
+def profile_decode(codec, pblob, stem: Path, say) -> None:
+    """One decompress under cProfile (host functions) and one under torch.profiler (device kernels, a trace)."""
+    import cProfile
+    import io
+    import pstats
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    sync()
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    codec.decode(pblob, device="cuda")
+    pr.disable()
+    sync()
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    stem.with_suffix(".cprofile.txt").write_text(f"wall under cProfile {wall * 1e3:.1f} ms\n" + buf.getvalue())
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        codec.decode(pblob, device="cuda")
+        sync()
+    prof.export_chrome_trace(str(stem.with_suffix(".trace.json")))
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+    stem.with_suffix(".kernels.txt").write_text(table)
+    say(f"profile written to {stem}.*")
+
+
 @torch.no_grad()
-def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str) -> dict:
+def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str, profile_dir: str | None = None) -> dict:
     """Compress / decompress speeds, ratio and errors of both projection precisions on ``kv``."""
     kv_bytes = 2 * kv.keys.numel() * kv.keys.element_size()
     res: dict = {"kv_GB": kv_bytes / 1e9, "backend": gpu_backend()}
@@ -310,6 +379,11 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str) -> dict
             st_e, st_d = {}, {}
             codec.encode(kv, timings=st_e, out=pbuf)
             codec.decode(pblob, timings=st_d, device="cuda")
+            variants = split_variants(codec, pblob) if precision != "fp8" else {}
+            if variants:
+                say(f"{label} {precision}: decompress ms by keys split {variants}")
+            if profile_dir and precision == "bf16":
+                profile_decode(codec, pblob, Path(profile_dir) / f"{label.replace('/', '_')}_{precision}", say)
             info = Codec.inspect(blob)
             n_mid = kv.batch * info["middle_tokens"]
             flops = plan_flops(codec, n_mid)
@@ -327,6 +401,7 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str) -> dict
                 "decompress_from_bytes_GBps": kv_bytes / t_dec_bytes / 1e9,
                 "compress_stages_s": st_e,
                 "decompress_stages_s": st_d,
+                "decompress_ms_by_keys_split": variants,
                 "blob_MB": len(blob) / 1e6,
                 "codec_ratio": info["codec_ratio"],
                 "whole_cache_ratio": info["whole_cache_ratio"],
@@ -505,7 +580,7 @@ def run_case(
         kv, _ = prefill_kv(model, ids)
     else:
         kv = synthetic_slice(src, layout, batch, seq)
-    res.update(bench_throughput(kv, cal, args.ratio, ceil, say, f"{name}/{case}"))
+    res.update(bench_throughput(kv, cal, args.ratio, ceil, say, f"{name}/{case}", args.profile))
     del kv
     free()
     save(res)
@@ -565,6 +640,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--write-spectrum", metavar="CALIBRATION", help="rewrite the spectrum file and exit")
+    ap.add_argument("--profile", metavar="DIR", help="write a host and a device profile of one decompress there")
     args = ap.parse_args()
     if args.write_spectrum:
         from _spectrum import write_spectrum

@@ -159,6 +159,40 @@ def test_corrupt_payload_same_as_cpu(coder):
         assert cpu == gpu
 
 
+def test_decode_in_parts_into_one_buffer(coder):
+    """Streams staged in two block ranges (the restore's first component range, then the rest) decode into one
+    buffer: after the first part its blocks hold their bytes, after the second every stream is whole; from bytes
+    and (on CUDA) straight from a pinned blob."""
+    data = _streams()
+    enc = [H.cpu_compress(d.tobytes()) for d in data]
+    lens = [len(d) for d in data]
+    nblk = [-(-n // H.BLOCK) for n in lens]
+    cut = [min(b, 1 + i % 3) for i, b in enumerate(nblk)]  # 1 to 3 blocks first (or all of a short stream)
+    offs = np.cumsum([0, *map(len, enc)])[:-1].tolist()
+    blob = b"".join(enc)
+    sources = [None]
+    if torch.cuda.is_available():
+        sources.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory())
+    for src in sources:
+        pinned = None if src is None else (src, offs)
+        st = coder.stage(enc, lens, pinned, blocks=[(0, c) for c in cut])
+        out = torch.full((st["out_bytes"] + 16,), 0xA5, dtype=torch.uint8, device=DEVICE)
+        err = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        first = coder.decode_device(st, err, out=out)
+        for d, t, c in zip(data, first, cut):
+            n = min(len(d), c * H.BLOCK)
+            assert np.array_equal(t[:n].cpu().numpy(), d[:n])
+        st2 = coder.stage(enc, lens, pinned, blocks=[(c, b) for c, b in zip(cut, nblk)], parsed=st["parsed"])
+        whole = coder.decode_device(st2, err, out=out)
+        coder.check(err)
+        for d, t in zip(data, whole):
+            assert np.array_equal(t.cpu().numpy(), d)
+    with pytest.raises(ValueError, match="blocks"):
+        coder.stage(enc[:1], lens[:1], blocks=[(0, nblk[0] + 1)])
+    with pytest.raises(ValueError, match="out"):
+        coder.decode_device(coder.stage(enc[:1], lens[:1]), out=torch.empty(8, dtype=torch.uint8, device=DEVICE))
+
+
 def test_read_sections_mixed_backends(coder):
     from kvtc.codec.entropy import encode_stream
 

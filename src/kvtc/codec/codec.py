@@ -31,7 +31,7 @@ from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
 from .packing import PACKINGS
-from .quantizer import CODED_TYPES, PlanLayout, Quantizer
+from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from .transform import PRECISIONS, PCATransform
 
 #: the paper's protected tokens: 4 attention sinks, 128 most recent tokens
@@ -244,7 +244,7 @@ class Codec:
             exp[f"raw.{kind}"] = spans.raw_bytes(h)
         if h.mode == "kvtc" and h.middle_tokens:
             middles = spans.group_middles(h, self.calibration.grouping)  # type: ignore[union-attr]
-            plans = {kind: [PlanLayout.build(p) for p in self.calibration.plans[h.ratio][kind]] for kind in KINDS}  # type: ignore[union-attr,index]
+            plans = plan_layouts(self.calibration, h.ratio)
             for kind in KINDS:
                 for g, pl in enumerate(plans[kind]):
                     if middles[g][1]:
@@ -338,7 +338,7 @@ class Codec:
     def _coefficients(
         self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock, n: int | None = None
     ) -> tuple[torch.Tensor, PlanLayout]:
-        pl = PlanLayout.build(self.calibration.plans[header.ratio][kind][g])  # type: ignore[union-attr,index]
+        pl = plan_layouts(self.calibration, header.ratio)[kind][g]
         tr = self._transform
         coeffs = self._quantizer.decode(
             f"{kind}.{g}",

@@ -91,14 +91,14 @@ def default_pool() -> ThreadPoolExecutor:
 class Pending:
     """CRC-32s being computed on a pool; :meth:`result` joins the pieces (blocks until they are done)."""
 
-    def __init__(self, buffers: Sequence[memoryview | bytes], pool: Executor | None):
+    def __init__(self, buffers: Sequence[memoryview | bytes], pool: Executor | None, piece: int = PIECE):
         pool = pool or default_pool()
         self.n = len(buffers)
         self.pieces: list[tuple[int, int, object]] = []  # (buffer, piece length, future or value)
         for i, b in enumerate(buffers):
             mv = memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b)
-            for off in range(0, max(len(mv), 1), PIECE):
-                part = mv[off : off + PIECE]
+            for off in range(0, max(len(mv), 1), piece):
+                part = mv[off : off + piece]
                 job = pool.submit(zlib.crc32, part) if len(part) >= (1 << 16) else zlib.crc32(part)
                 self.pieces.append((i, len(part), job))
 
@@ -112,9 +112,13 @@ class Pending:
         return out
 
 
-def crc32_submit(buffers: Sequence[memoryview | bytes], pool: Executor | None = None) -> Pending:
-    """Start the CRC-32 of each buffer (all pieces of all buffers on ``pool`` at once)."""
-    return Pending(buffers, pool)
+def crc32_submit(buffers: Sequence[memoryview | bytes], pool: Executor | None = None, piece: int = PIECE) -> Pending:
+    """Start the CRC-32 of each buffer (all pieces of all buffers on ``pool`` at once). ``piece``: bytes per
+    piece; larger pieces make the pool's threads take Python's lock less often (a thread parsing meanwhile then
+    waits less for it)."""
+    if piece < 1:
+        raise ValueError("piece must be positive")
+    return Pending(buffers, pool, piece)
 
 
 def crc32_many(buffers: Sequence[memoryview | bytes], pool: Executor | None = None) -> list[int]:

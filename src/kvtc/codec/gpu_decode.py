@@ -3,15 +3,21 @@ GPU, its stages overlapped.
 
 :meth:`Codec.decode` and :meth:`Codec.decode_layers` take this path for a ``kvtc`` blob coded with ``huff4k``
 (sections stored raw are fine too) and one PCA group, decoded onto the codec's CUDA device; anything else takes the
-general path. The blob's sections are read in two phases, keys (with the positions and protected tokens) and
-values. Each phase's coded words go to the device on a copy stream and its entropy decode is queued behind them;
-the host then queues the keys' unpack+dequantize and reconstruction and only then parses the values' streams, so
-the values' copy and parsing run while the keys are being reconstructed. Nothing waits for the device in between:
-the entropy decoder raises a device flag on a corrupt block, and the CRC-32 of every section runs on host threads
-meanwhile (started once the first phase is queued, so that they do not compete with its parsing); both are checked before anything is returned (:meth:`Codec.decode`) or yielded
-(:meth:`Codec.decode_layers`, which checks them once every coefficient is decoded and then reconstructs one layer
-at a time, each layer's product queued and handed over without waiting for the device, so an engine can queue its
-own work on layer 0 while later layers are still being computed).
+general path. The blob's sections are read in phases: keys (with the positions and protected tokens), then values.
+Each phase's coded words go to the device on a copy stream, straight from the pinned blob; its entropy decode and
+unpack+dequantize are queued on a "prep" stream behind them, and the products on the caller's stream behind those.
+The host parses a phase's streams while the device works on the previous one, and the prep stream's short kernels
+run beside the previous phase's product. A large fp32 or bf16 restore splits the keys in two (:data:`SPLIT_FIRST`
+of their components, then the rest): the streams' rows of the first components' groups are a prefix of each
+stream, so their first blocks are copied and decoded first, and the product of those components starts while the
+other blocks are still being copied and parsed; the second product adds into the first's output (bf16: one more
+rounding). fp8 products take no accumulator and run in one part. Nothing waits for the device in between: the
+entropy decoder raises a device flag on a corrupt block, and the CRC-32 of every section runs on host threads
+meanwhile (started once the first phase is queued, so that they do not compete with its parsing); both are checked
+before anything is returned (:meth:`Codec.decode`) or yielded (:meth:`Codec.decode_layers`, which checks them once
+every coefficient is decoded and then reconstructs one layer at a time, each layer's product queued and handed over
+without waiting for the device, so an engine can queue its own work on layer 0 while later layers are still being
+computed).
 
 The fp8 reconstruction takes its operand straight from the unpack+dequantize kernel (coefficients divided by their
 components' standard deviations, written as E4M3; :class:`~kvtc.codec.transform.PCATransform`); a sequence's
@@ -20,6 +26,8 @@ middle tokens are written by the product straight into the output when it has en
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,26 +37,38 @@ import torch
 from ..calibration.artifact import KINDS
 from ..errors import FormatError
 from ..layout import DTYPES, KVSlice
-from . import container
+from ..quant import TYPE_BITS, TYPE_NAMES
+from . import container, crc
 from .buffers import section_tensor
-from .clock import stage_clock
-from .crc import crc32_submit
 from .entropy import decode_stream, device_coder
-from .huffman import NAME
-from .quantizer import PlanLayout
+from .huffman import BLOCK, NAME
+from .packing import packed_plane_bytes
+from .quantizer import PlanLayout, plan_layouts
 
 #: a sequence's middle tokens are written straight into the output when it has at least this many
 DIRECT_MIN_TOKENS = 512
-_STREAMS: dict[str, torch.cuda.Stream] = {}
+#: :func:`decode` stages, decodes and projects the keys in two parts (fp32 and bf16 products) when their product
+#: is at least this many multiply-adds (tokens x kept components x features): the projection of the first
+#: components starts while the rest are still being copied and parsed
+SPLIT_MIN_MACS = 1 << 36
+#: the share of the keys' kept components in the first part (rounded down to a multiple of 8)
+SPLIT_FIRST = 0.5
+_STREAMS: dict[tuple[str, str], torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> Any:
+def _stream(device: torch.device, role: str) -> Any:
+    """This device's stream for ``role``: "copy" (host to device copies) or "prep" (entropy decode and
+    dequantize, high priority: its short kernels go ahead of the products queued on the current stream)."""
     if device.type != "cuda":
         return None
-    key = str(device)
+    key = (str(device), role)
     if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(device)
+        _STREAMS[key] = torch.cuda.Stream(device, priority=-1 if role == "prep" else 0)
     return _STREAMS[key]
+
+
+def _on(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class _Events:
@@ -74,8 +94,22 @@ class _Events:
                 self.timings[key] = self.timings.get(key, 0.0) + a.elapsed_time(b) / 1e3
 
 
+def _phase_of(name: str) -> str:
+    """The phase prefix a section belongs to: "keys.", "values." or "rest." (positions, protected tokens)."""
+    return name[: name.index(".") + 1] if name.startswith(("keys.", "values.")) else "rest."
+
+
+def _crc_threads() -> int:
+    return max(2, min(32, os.cpu_count() or 2))
+
+
 class _Job:
-    """One blob being restored: its checked header, sections, checksums in flight and decoded sections."""
+    """One blob being restored: its checked header, sections, checksums in flight and decoded sections.
+
+    Phases, in this order: "keys" (the keys' coded sections; "keys1" and "keys2" when the keys are split: the
+    blocks of each that hold the first part's components, then the remaining blocks, decoded into the same
+    buffer), "rest" (positions and protected tokens, needed only once the keys' product is queued) and
+    "values"."""
 
     def __init__(self, codec: Any, coder: Any, header: container.Header, chunks: list, offsets: list, pinned: Any):
         self.codec, self.coder, self.header = codec, coder, header
@@ -84,51 +118,119 @@ class _Job:
         self.pending: Any = None
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.secs: dict[str, Any] = {}
-        self.stream = _copy_stream(self.device)
+        self.stream = _stream(self.device, "copy")
+        self.prep: Any = None  # the stream decode and dequantize run on (None: the current one)
+        self.main: Any = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.n = header.batch * header.middle_tokens
+        self.coeffs: dict[str, torch.Tensor] = {}
+        self.keep: dict[str, Any] = {}
+        self.host: dict[str, float] = {}  # host seconds of each phase's staging
+        self.cut = self._cut()
 
-    def stage(self, values: bool) -> None:
-        """Queue the copy and entropy decode of the values' sections (``values``) or of all the others."""
-        idx = [i for i, s in enumerate(self.header.sections) if s.name.startswith("values.") == values]
-        dev = [i for i in idx if self.header.sections[i].backend == NAME]
-        for i in idx:
-            s = self.header.sections[i]
-            if s.backend != NAME:  # stored raw: checked and parsed on the host
-                self.secs[s.name] = decode_stream(bytes(self.chunks[i]), s.backend, s.raw)
+    def _cut(self) -> int | None:
+        """The first component of the keys' second part, or None (one part)."""
+        tr, pl = self.codec._transform, self.plan("keys")
+        k = pl.components
+        cut = int(SPLIT_FIRST * k) // 8 * 8  # 16-byte aligned columns for the second product
+        macs = self.n * k * self.codec.calibration.layout.num_features
+        if tr.fp8 or macs < SPLIT_MIN_MACS or not 0 < cut < k:
+            return None
+        return cut
+
+    def stage(self, phase: str) -> None:
+        """Queue the copy and entropy decode of ``phase``'s sections (see the class)."""
+        t0 = time.perf_counter()
+        h = self.header
+        if phase == "rest" and self.pending is None:  # checksums on host threads from here on: the keys'
+            total = sum(len(c) for c in self.chunks)  # parsing, which the first product waits for, is done
+            piece = max(crc.PIECE, -(-total // _crc_threads()))  # one piece per thread: the lock taken rarely
+            self.pending = crc.crc32_submit(self.chunks, piece=piece)
+        prefix = "keys." if phase.startswith("keys") else phase + "."
+        idx = [i for i, s in enumerate(h.sections) if _phase_of(s.name) == prefix]
+        dev = [i for i in idx if h.sections[i].backend == NAME]
+        if phase != "keys2":
+            for i in idx:
+                s = h.sections[i]
+                if s.backend != NAME:  # stored raw: checked and parsed on the host
+                    self.secs[s.name] = decode_stream(bytes(self.chunks[i]), s.backend, s.raw)
         if dev:
+            blocks = None
+            if phase in ("keys1", "keys2"):
+                nb = [-(-h.sections[i].raw // BLOCK) for i in dev]
+                cut = [min(self._first_blocks().get(h.sections[i].name, b), b) for i, b in zip(dev, nb)]
+                blocks = [(0, c) for c in cut] if phase == "keys1" else list(zip(cut, nb))
             pinned = None if self.pinned is None else (self.pinned, [self.offsets[i] for i in dev])
-            st = self.coder.stage(
-                [self.chunks[i] for i in dev], [self.header.sections[i].raw for i in dev], pinned, stream=self.stream
-            )
-            outs = self.coder.decode_device(st, self.err)
-            self.secs.update({self.header.sections[i].name: t for i, t in zip(dev, outs)})
-        if self.pending is None:  # checksums start once the first phase is queued: the host threads that run
-            self.pending = crc32_submit(self.chunks)  # them would otherwise slow its parsing down
+            with _on(self.prep):
+                st = self.coder.stage(
+                    [self.chunks[i] for i in dev],
+                    [h.sections[i].raw for i in dev],
+                    pinned,
+                    stream=self.stream,
+                    blocks=blocks,
+                    parsed=self.keep.get("parsed") if phase == "keys2" else None,
+                )
+                buf = self.keep.get("buf") if phase == "keys2" else None
+                if buf is None:
+                    buf = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
+                    self._used_on_main(buf)
+                outs = self.coder.decode_device(st, self.err, out=buf)
+            if phase == "keys1":
+                self.keep.update(parsed=st["parsed"], buf=buf)
+            self.secs.update({h.sections[i].name: t for i, t in zip(dev, outs)})
+        self.host[f"host.{phase}"] = time.perf_counter() - t0
+
+    def _first_blocks(self) -> dict[str, int]:
+        """The blocks of each keys section that hold the rows of the first part's components."""
+        if "first_blocks" not in self.keep:
+            pl, n, packing = self.plan("keys"), self.n, self.header.packing
+            rows, counts = pl.split(self.cut or 0)
+            out = {"keys.0.params": -(-rows[None] * 2 * n // BLOCK)}
+            for t in pl.plane_sizes:
+                out[f"keys.0.{TYPE_NAMES[t]}"] = -(-rows[t] * packed_plane_bytes(n, TYPE_BITS[t], packing) // BLOCK)
+            self.keep.update(first_blocks=out, counts=counts)
+        return self.keep["first_blocks"]
+
+    def _used_on_main(self, t: torch.Tensor) -> None:
+        """``t`` is made on the prep stream and read on the current one: its memory waits for that too."""
+        if self.prep is not None and self.main is not None:
+            t.record_stream(self.main)
 
     def plan(self, kind: str) -> PlanLayout:
-        cache = self.codec.__dict__.setdefault("_gpu_plan_cache", {})
-        key = (self.header.ratio, kind)
-        if key not in cache:
-            cache[key] = PlanLayout.build(self.codec.calibration.plans[self.header.ratio][kind][0])
-        return cache[key]
+        return plan_layouts(self.codec.calibration, self.header.ratio)[kind][0]
 
-    def coefficients(self, kind: str) -> tuple[torch.Tensor, PlanLayout]:
-        """The kind's coefficients on the device, as the reconstruction takes them (fp8: its E4M3 operand)."""
+    def coefficients(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, PlanLayout]:
+        """The kind's coefficients on the device, as the reconstruction takes them (fp8: its E4M3 operand), on
+        the prep stream; ``part`` 0 or 1: only the groups of the keys' first or second part (same tensor)."""
         pl = self.plan(kind)
         tr = self.codec._transform
         k = pl.components
-        clock = stage_clock(None)
-        if tr.fp8:
-            args = (torch.float8_e4m3fn, tr.coefficient_columns(k), tr.fp8_column_scale(kind, 0, k))
-        else:
-            args = (tr.coefficient_dtype, tr.coefficient_columns(k), None)
-        h = self.header
-        return self.codec._quantizer.decode(f"{kind}.0", self.secs, pl, self.n, h.packing, clock, *args), pl
+        with _on(self.prep):
+            if part != 1:
+                cols, dtype = tr.coefficient_columns(k), torch.float8_e4m3fn if tr.fp8 else tr.coefficient_dtype
+                self.coeffs[kind] = torch.zeros((self.n, cols), dtype=dtype, device=self.device)
+                self._used_on_main(self.coeffs[kind])
+            groups = None
+            if part is not None:
+                self._first_blocks()
+                c = self.keep["counts"]
+                groups = [(0, x) for x in c] if part == 0 else [(x, b.columns.shape[0]) for x, b in zip(c, pl.buckets)]
+            scale = tr.fp8_column_scale(kind, 0, k) if tr.fp8 else None
+            self.codec._quantizer.dequantize(
+                f"{kind}.0", self.secs, pl, self.coeffs[kind], self.header.packing, scale, groups
+            )
+        return self.coeffs[kind], pl
+
+    def ready(self) -> None:
+        """The current stream waits for what is queued on the prep stream so far."""
+        if self.prep is not None and self.main is not None:
+            ev = torch.cuda.Event()
+            ev.record(self.prep)
+            self.main.wait_event(ev)
 
     def check(self) -> None:
         """Raise FormatError for a checksum mismatch or a corrupt entropy block (waits for the device)."""
-        for s, crc in zip(self.header.sections, self.pending.result()):
-            if crc != s.crc32:
+        for s, got in zip(self.header.sections, self.pending.result()):
+            if got != s.crc32:
                 raise FormatError(f"section {s.name}: checksum mismatch; the blob is corrupt")
         self.coder.check(self.err)
 
@@ -170,12 +272,38 @@ def _direct_views(full: torch.Tensor, s: int, w: int, m: int, dt: torch.dtype, o
     return [full[b, s : T - w].view(m, -1) for b in range(B)]
 
 
+def _targets(full: torch.Tensor, s: int, w: int, m: int, dt: torch.dtype, tr: Any) -> tuple[list, bool]:
+    """Where the product writes its rows: each sequence's middle tokens in ``full`` (True) or one temporary
+    (False: copied into ``full`` afterwards)."""
+    views = _direct_views(full, s, w, m, dt, tr.out_dtype)
+    if views is not None:
+        return views, True
+    B = full.shape[0]
+    return [torch.empty((B * m, full[0, 0].numel()), dtype=tr.out_dtype, device=full.device)], False
+
+
+def _project(job: _Job, kind: str, part: int | None, targets: list, columns: tuple[int, int] | None = None) -> None:
+    """Queue the product of ``kind``'s coefficients into ``targets``: all of it (``part`` None), the keys' first
+    components (0) or the rest added (1)."""
+    tr, c, k = job.codec._transform, job.coeffs[kind], job.plan(kind).components
+    if part is None:
+        tr.reconstruct(kind, 0, c, k, targets, columns=columns)
+    elif part == 0:
+        tr.reconstruct(kind, 0, c[:, : job.cut], job.cut, targets, columns=columns)
+    else:
+        tr.reconstruct_add(kind, 0, c, job.cut, k, targets, columns=columns)
+
+
 def decode(codec: Any, blob: Any, timings: dict[str, float] | None = None) -> KVSlice | None:
     """:meth:`Codec.decode` on this path (None: not for this path)."""
     t0 = time.perf_counter()
     job = _open(codec, blob)
     if job is None:
         return None
+    t_open = time.perf_counter()
+    job.prep = _stream(job.device, "prep")
+    if job.prep is not None:
+        job.prep.wait_stream(job.main)  # what the caller queued (and the error flag's zeros) comes first
     ev = _Events(timings, job.device)
     h, tr, dev = job.header, codec._transform, job.device
     lay = h.layout
@@ -183,33 +311,49 @@ def decode(codec: Any, blob: Any, timings: dict[str, float] | None = None) -> KV
     s, w = h.protected
     dt = DTYPES[lay.dtype]
     shape = (B, T, len(lay.layers), len(lay.heads), lay.head_dim)
-    job.stage(values=False)
-    ev.mark("entropy.keys")
-    t_launch = time.perf_counter()
+    # (phase, kind, part): what the prep stream decodes, then what the current stream projects
+    steps: list[tuple[str, str, int | None]] = [("keys", "keys", None)]
+    if job.cut is not None:
+        steps = [("keys1", "keys", 0), ("keys2", "keys", 1)]
+    steps += [("rest", "", None), ("values", "values", None)]
+    out = {kind: torch.empty(shape, dtype=dt, device=dev) for kind in KINDS}
+    targets: dict[str, tuple[list, bool]] = {}
+    t_first = None
+    for phase, kind, part in steps:
+        job.stage(phase)
+        if phase == "rest":  # protected tokens: rows the products do not write
+            job.ready()
+            for k in KINDS:
+                prot = section_tensor(job.secs[f"raw.{k}"], dt, (B, s + w, *shape[2:]), dev)
+                out[k][:, :s] = prot[:, :s]
+                out[k][:, T - w :] = prot[:, s:]
+            ev.mark("rest")
+            continue
+        job.coefficients(kind, part)
+        job.ready()
+        if t_first is None:
+            t_first = time.perf_counter()
+        ev.mark(f"wait.{phase}")
+        if kind not in targets:
+            targets[kind] = _targets(out[kind], s, w, m, dt, tr)
+        _project(job, kind, part, targets[kind][0])
+        if part != 0 and not targets[kind][1]:
+            out[kind][:, s : T - w] = targets.pop(kind)[0][0].to(dt).reshape(B, m, *shape[2:])
+        ev.mark(f"project.{phase}")
     positions = section_tensor(job.secs["positions"], torch.int64, (B, T), dev)
-    out = {}
-    for kind in KINDS:
-        if kind == "values":
-            job.stage(values=True)  # parsed and copied while the keys are reconstructed
-            ev.mark("entropy.values")
-        prot = section_tensor(job.secs[f"raw.{kind}"], dt, (B, s + w, *shape[2:]), dev)
-        full = torch.empty(shape, dtype=dt, device=dev)
-        full[:, :s] = prot[:, :s]
-        full[:, T - w :] = prot[:, s:]
-        coeffs, pl = job.coefficients(kind)
-        ev.mark(f"dequantize.{kind}")
-        views = _direct_views(full, s, w, m, dt, tr.out_dtype)
-        rows = tr.reconstruct(kind, 0, coeffs, pl.components, views)
-        if rows is not None:
-            full[:, s : T - w] = rows.to(dt).reshape(B, m, *shape[2:])
-        ev.mark(f"project.{kind}")
-        out[kind] = full
-        del coeffs, rows
     t_queued = time.perf_counter()
     job.check()
     ev.report()
     if timings is not None:
-        timings.update({"parse": t_launch - t0, "queue": t_queued - t_launch, "verify": time.perf_counter() - t_queued})
+        timings.update(job.host)
+        timings.update(
+            {
+                "open": t_open - t0,
+                "first_queued": t_first - t_open,
+                "queue": t_queued - t_first,
+                "verify": time.perf_counter() - t_queued,
+            }
+        )
     return KVSlice(lay, out["keys"], out["values"], positions, h.model_id)
 
 
@@ -222,18 +366,20 @@ def decode_layers(codec: Any, blob: Any) -> Iterator[tuple[int, torch.Tensor, to
 
 
 def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    codec, h, dev = job.codec, job.header, job.device
-    tr = codec._transform
+    h, dev = job.header, job.device
+    tr = job.codec._transform
     lay = h.layout
     B, T, m = h.batch, h.tokens, h.middle_tokens
     s, w = h.protected
     dt = DTYPES[lay.dtype]
     hd = (len(lay.heads), lay.head_dim)
     width = hd[0] * hd[1]
-    job.stage(values=False)
-    job.stage(values=True)
+    for phase in ("keys1", "keys2", "rest", "values") if job.cut is not None else ("keys", "rest", "values"):
+        job.stage(phase)
     prot = {k: section_tensor(job.secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd), dev) for k in KINDS}
-    coeffs = {k: job.coefficients(k) for k in KINDS}
+    for kind in KINDS:
+        job.coefficients(kind)
+    parts = (0, 1) if job.cut is not None else (None,)
     job.check()  # every section's checksum and entropy block, before anything is handed out
     for li, layer in enumerate(lay.layers):
         pair = []
@@ -241,14 +387,13 @@ def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
             full = torch.empty((B, T, *hd), dtype=dt, device=dev)
             full[:, :s] = prot[kind][:, :s, li]
             full[:, T - w :] = prot[kind][:, s:, li]
-            c, pl = coeffs[kind]
-            cols = (li * width, (li + 1) * width)
-            views = _direct_views(full, s, w, m, dt, tr.out_dtype)
-            rows = tr.reconstruct(kind, 0, c, pl.components, views, columns=cols)
-            if rows is not None:
-                full[:, s : T - w] = rows.to(dt).reshape(B, m, *hd)
+            tg, direct = _targets(full, s, w, m, dt, tr)
+            for part in parts if kind == "keys" else (None,):
+                _project(job, kind, part, tg, columns=(li * width, (li + 1) * width))
+            if not direct:
+                full[:, s : T - w] = tg[0].to(dt).reshape(B, m, *hd)
             pair.append(full)
         yield layer, pair[0], pair[1]
 
 
-__all__ = ["DIRECT_MIN_TOKENS", "decode", "decode_layers"]
+__all__ = ["DIRECT_MIN_TOKENS", "SPLIT_FIRST", "SPLIT_MIN_MACS", "decode", "decode_layers"]

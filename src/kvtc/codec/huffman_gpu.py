@@ -186,23 +186,30 @@ class DeviceCoder:
         raw_lens: list[int],
         pinned: tuple[Any, list[int]] | None = None,
         stream: Any = None,
+        blocks: list[tuple[int, int]] | None = None,
+        parsed: list[Any] | None = None,
     ) -> dict[str, Any]:
         """Validate the streams' headers and copy their words to the device (through pinned memory).
 
         ``pinned``: ``(tensor, offsets)`` when the streams lie in a pinned uint8 host tensor at those byte
-        offsets: their span goes to the device in one copy and each stream's words are then aligned there
-        (no host staging). ``stream``: a CUDA stream that runs the copies, so that they overlap work queued on
-        the current stream; nothing is then synchronized and :meth:`decode_device` waits for the copies on the
-        device. Without it the copies are waited for here."""
+        offsets: each stream's words go to the device straight from there (no host staging). ``stream``: a CUDA
+        stream that runs the copies, so that they overlap work queued on the current stream; nothing is then
+        synchronized and :meth:`decode_device` waits for the copies on the device. Without it the copies are
+        waited for here. ``blocks``: ``(first, end)`` blocks of each stream to stage (all by default): a stream
+        can be decoded in parts, each part's :meth:`decode_device` writing its blocks into one output buffer.
+        ``parsed``: the streams' headers as an earlier call returned them (``st["parsed"]``)."""
         torch = self.torch
         dev = self.device
         t0 = time.perf_counter()
-        parsed = [parse(s, n) for s, n in zip(streams, raw_lens)]
+        parsed = parsed if parsed is not None else [parse(s, n) for s, n in zip(streams, raw_lens)]
+        rng = blocks if blocks is not None else [(0, len(p.words)) for p in parsed]
+        if len(rng) != len(parsed) or any(not 0 <= a <= b <= len(p.words) for (a, b), p in zip(rng, parsed)):
+            raise ValueError("blocks: one (first, end) range of blocks per stream, within its blocks")
         side = stream if (stream is not None and self.cuda) else None
         main = torch.cuda.current_stream(dev) if side is not None else None
         ctx = torch.cuda.stream(side) if side is not None else _Null()
         with ctx:
-            st = self._copy(streams, raw_lens, pinned, parsed)
+            st = self._copy(streams, raw_lens, pinned, parsed, rng)
         t1 = time.perf_counter()
         if side is not None:
             ev = torch.cuda.Event()
@@ -214,6 +221,7 @@ class DeviceCoder:
         else:
             self._sync()
         self.last = {"parse_stage_s": st.pop("t_parse") - t0, "h2d_s": time.perf_counter() - t1}
+        st["parsed"] = parsed
         return st
 
     def _copy(
@@ -222,11 +230,13 @@ class DeviceCoder:
         raw_lens: list[int],
         pinned: tuple[Any, list[int]] | None,
         parsed: list[Any],
+        rng: list[tuple[int, int]],
     ) -> dict[str, Any]:
-        """The copies of :meth:`stage`, queued on the current stream."""
+        """The copies of :meth:`stage` (blocks ``rng`` of each stream), queued on the current stream."""
         torch = self.torch
         dev = self.device
-        nwords = [int(p.words.sum()) for p in parsed]
+        cum = [np.concatenate(([0], np.cumsum(p.words))) for p in parsed]  # each block's first word
+        nwords = [int(c[b] - c[a]) for c, (a, b) in zip(cum, rng)]
         wbase, w = [], 0
         for k in nwords:
             wbase.append(w)
@@ -236,22 +246,20 @@ class DeviceCoder:
             obase.append(out_bytes)
             out_bytes += align(n)
         staging = d_words = None
-        if pinned is not None:
+        if pinned is not None:  # each stream's words straight from the pinned blob to their aligned place
             src_t, offs = pinned
-            lo = min(offs) if offs else 0
-            hi = max((o + len(memoryview(x)) for o, x in zip(offs, streams)), default=lo)
-            d_raw = src_t[lo:hi].to(dev, non_blocking=True)
             d_words = torch.empty(max(w, 1), dtype=torch.int32, device=dev)
             d_bytes = d_words.view(torch.uint8)
-            for o, p, wb, k in zip(offs, parsed, wbase, nwords):
-                a = o - lo + p.head
-                d_bytes[4 * wb : 4 * (wb + k)].copy_(d_raw[a : a + 4 * k])
+            for o, p, c, (a, _), wb, k in zip(offs, parsed, cum, rng, wbase, nwords):
+                if k:
+                    src = o + p.head + 4 * int(c[a])
+                    d_bytes[4 * wb : 4 * (wb + k)].copy_(src_t[src : src + 4 * k], non_blocking=True)
         else:
             staging = torch.empty(max(w, 1), dtype=torch.int32, pin_memory=self.cuda)
             buf = staging.numpy()
             jobs = []
-            for s, p, wb, k in zip(streams, parsed, wbase, nwords):
-                src = np.frombuffer(memoryview(s).cast("B")[p.head :], dtype="<i4")
+            for s, p, c, (a, _), wb, k in zip(streams, parsed, cum, rng, wbase, nwords):
+                src = np.frombuffer(memoryview(s).cast("B")[p.head :], dtype="<i4")[int(c[a]) : int(c[a]) + k]
                 for j in range(0, k, _COPY_WORDS):
                     jobs.append((buf[wb + j : wb + min(k, j + _COPY_WORDS)], src[j : j + _COPY_WORDS]))
             list(self.pool.map(lambda j: j[0].__setitem__(slice(None), j[1]), jobs))  # numpy copies drop the GIL
@@ -260,27 +268,17 @@ class DeviceCoder:
             if parsed
             else np.zeros(0, np.int16)
         )
-        blk_wo = np.concatenate(
-            [
-                wb + np.concatenate(([0], np.cumsum(p.words)[:-1])).astype(np.int64)
-                for p, wb in zip(parsed, wbase)
-                if len(p.words)
-            ]
-            + [np.zeros(0, np.int64)]
-        )
-        blk_nw = np.concatenate([p.words for p in parsed] + [np.zeros(0, np.int64)])
-        blk_n = np.concatenate([_block_sizes(n) for n in raw_lens] + [np.zeros(0, np.int64)])
-        blk_out = np.concatenate(
-            [ob + BLOCK * np.arange(len(p.words), dtype=np.int64) for p, ob in zip(parsed, obase)]
-            + [np.zeros(0, np.int64)]
-        )
-        blk_tab = np.concatenate(
-            [np.full(len(p.words), TABLE * i, dtype=np.int64) for i, p in enumerate(parsed)] + [np.zeros(0, np.int64)]
-        )
+        none = [np.zeros(0, np.int64)]
+        parts = [(i, p, c, a, b) for i, (p, c, (a, b)) in enumerate(zip(parsed, cum, rng)) if b > a]
+        blk_wo = np.concatenate([wbase[i] + c[a:b] - c[a] for i, p, c, a, b in parts] + none)
+        blk_nw = np.concatenate([p.words[a:b] for i, p, c, a, b in parts] + none)
+        blk_n = np.concatenate([_block_sizes(raw_lens[i])[a:b] for i, p, c, a, b in parts] + none)
+        blk_out = np.concatenate([obase[i] + BLOCK * np.arange(a, b, dtype=np.int64) for i, p, c, a, b in parts] + none)
+        blk_tab = np.concatenate([np.full(b - a, TABLE * i, dtype=np.int64) for i, p, c, a, b in parts] + none)
         nb = len(blk_n)
         t_parse = time.perf_counter()
-        meta = torch.from_numpy(np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab]))
-        meta = meta.pin_memory() if self.cuda else meta
+        meta = torch.empty(max(5 * nb, 1), dtype=torch.int64, pin_memory=self.cuda)  # written in place: no copy
+        np.concatenate([blk_wo, blk_out, blk_nw, blk_n, blk_tab], out=meta.numpy()[: 5 * nb], casting="unsafe")
         d_meta = meta.to(dev, non_blocking=True)
         if d_words is None:
             d_words = staging.to(dev, non_blocking=True)
@@ -299,18 +297,25 @@ class DeviceCoder:
             "blk_out": d_meta[nb : 2 * nb],
             "blk_nw": d_meta[2 * nb : 3 * nb].to(torch.int32),
             "blk_n": d_meta[3 * nb : 4 * nb].to(torch.int32),
-            "blk_tab": d_meta[4 * nb :].to(torch.int32),
+            "blk_tab": d_meta[4 * nb : 5 * nb].to(torch.int32),
         }
 
-    def decode_device(self, st: dict[str, Any], err: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def decode_device(
+        self, st: dict[str, Any], err: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Decode staged streams on the device; raises FormatError when any block is corrupt. ``err``: an int32
         device flag the kernel raises instead, checked by the caller (:meth:`check`) before anything decoded is
         used for more than device work (the kernel writes only inside each stream's output, corrupt or not):
-        nothing is then synchronized here."""
+        nothing is then synchronized here. ``out``: the uint8 buffer to decode into (``st["out_bytes"]`` bytes
+        at least; a part staged with ``blocks`` writes its blocks into the buffer of an earlier part), returned
+        as each stream's view."""
         torch = self.torch
         if "ready" in st:
             torch.cuda.current_stream(self.device).wait_event(st["ready"])
-        out = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
+        if out is None:
+            out = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
+        elif out.dtype != torch.uint8 or out.numel() < st["out_bytes"] or out.device != self.device:
+            raise ValueError(f"out: a uint8 buffer of {st['out_bytes']} bytes on {self.device} is needed")
         if st["nb"]:
             flag = err if err is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
             self.k.decode(

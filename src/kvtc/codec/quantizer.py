@@ -99,6 +99,19 @@ class PlanLayout:
             )
         return cls(plan, plan.kept_components, len(kept), prows, {t: n for t, n in plane_sizes.items() if n}, buckets)
 
+    def split(self, first: int) -> tuple[dict[int | None, int], list[int]]:
+        """The kept groups starting before component ``first``: the rows they take in the params stream (key
+        None) and in each type's plane (key: the type), and how many of each bucket's groups they are (a
+        bucket's groups are in component order, so they are its first ones). Rows of a stream are in component
+        order too: those groups' rows are a prefix of each stream."""
+        rows: dict[int | None, int] = {None: 0, **{t: 0 for t in self.plane_sizes}}
+        for start, size, t in self.plan.groups():
+            if t != DROP and start < first:
+                rows[None] += param_rows(t)
+                rows[t] += size
+        counts = [int((b.columns[:, 0] < first).sum()) for b in self.buckets]
+        return rows, counts
+
     def section_sizes(self, prefix: str, tokens: int, packing: str) -> dict[str, int]:
         """Raw bytes of each of the group's sections for ``tokens`` coded tokens, in blob order."""
         sizes = {f"{prefix}.params": self.param_rows * tokens * 2}
@@ -174,23 +187,9 @@ class Quantizer:
         ``col_scale`` (fused path): float32 ``[columns]`` factors applied to each column, saturated to ±448 (an
         fp8 ``dtype``: the operand of an fp8 reconstruction)."""
         if self.fused:
-            with clock("unpack"):
-                params = section_tensor(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n), self.device)
-                planes = {
-                    t: section_tensor(
-                        secs[f"{prefix}.{TYPE_NAMES[t]}"],
-                        torch.uint8,
-                        (c, packed_plane_bytes(n, TYPE_BITS[t], packing)),
-                        self.device,
-                    )
-                    for t, c in pl.plane_sizes.items()
-                }
             with clock("dequantize"):
                 coeffs = torch.zeros((n, columns or pl.components), dtype=dtype, device=self.device)
-                for b in pl.buckets:
-                    kernels.unpack_dequantize(
-                        coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale
-                    )
+                self.dequantize(prefix, secs, pl, coeffs, packing, col_scale)
             return coeffs
         with clock("unpack"):
             params = from_le(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n)).to(self.device)
@@ -211,5 +210,46 @@ class Quantizer:
                 coeffs[:, b.columns.to(self.device)] = vals
         return coeffs
 
+    def dequantize(
+        self,
+        prefix: str,
+        secs: dict[str, Any],
+        pl: PlanLayout,
+        coeffs: torch.Tensor,
+        packing: str,
+        col_scale: torch.Tensor | None = None,
+        groups: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """Fused path: write the group's dequantized components into ``coeffs`` ``[n, columns]`` (see
+        :meth:`decode`). ``groups``: per bucket, the range of its groups to write (all by default; see
+        :meth:`PlanLayout.split`); the sections' rows they read must be decoded, the others need not be."""
+        n = coeffs.shape[0]
+        params = section_tensor(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n), self.device)
+        planes = {
+            t: section_tensor(
+                secs[f"{prefix}.{TYPE_NAMES[t]}"],
+                torch.uint8,
+                (c, packed_plane_bytes(n, TYPE_BITS[t], packing)),
+                self.device,
+            )
+            for t, c in pl.plane_sizes.items()
+        }
+        for i, b in enumerate(pl.buckets):
+            starts = b.starts(self.device)
+            if groups is not None:
+                starts = tuple(x[groups[i][0] : groups[i][1]] for x in starts)
+            kernels.unpack_dequantize(coeffs, *starts, b.qtype, b.size, params, planes[b.qtype], packing, col_scale)
 
-__all__ = ["CODED_TYPES", "Bucket", "PlanLayout", "Quantizer"]
+
+def plan_layouts(calibration: Any, ratio: float) -> dict[str, list[PlanLayout]]:
+    """Each kind's :class:`PlanLayout` per PCA group at ``ratio``, built once per calibration and ratio (a
+    calibration's plans do not change)."""
+    plans = calibration.plans[ratio]
+    key = (ratio, tuple(id(p) for ps in plans.values() for p in ps))  # the layouts keep their plans alive
+    cache = calibration.__dict__.setdefault("_plan_layouts", {})
+    if key not in cache:
+        cache[key] = {kind: [PlanLayout.build(p) for p in ps] for kind, ps in plans.items()}
+    return cache[key]
+
+
+__all__ = ["CODED_TYPES", "Bucket", "PlanLayout", "Quantizer", "plan_layouts"]
