@@ -298,7 +298,7 @@ def test_gpu_restore_with_keys_in_two_parts(setup, precision, monkeypatch):
     blob = fast.encode(_cuda(kv))
     pblob = torch.frombuffer(bytearray(blob), dtype=torch.uint8).pin_memory()
     one = fast.decode(pblob, device="cuda")
-    assert gpu_decode._open(fast, blob).cut is None  # too small to split by default
+    assert gpu_decode._open(fast, blob).cut is None  # never split by default
     monkeypatch.setattr(gpu_decode, "SPLIT_MIN_MACS", 0)
     monkeypatch.setattr(gpu_decode, "SPLIT_FIRST", 0.5)
     job = gpu_decode._open(fast, blob)
@@ -309,7 +309,8 @@ def test_gpu_restore_with_keys_in_two_parts(setup, precision, monkeypatch):
     assert torch.equal(two.keys, fast.decode(blob, device="cuda").keys)
     assert torch.equal(two.values, one.values)  # the values are never split
     x, y = one.keys.float(), two.keys.float()
-    tol = 1e-5 if precision == "fp32" else 2**-7
+    # fp32 sums in another order round to the output dtype differently near a rounding boundary: one output ulp
+    tol = 1e-5 if precision == "fp32" and one.keys.dtype == torch.float32 else 2**-7
     assert float((x - y).abs().max()) <= tol * float(x.abs().max())
     for i, (_layer, k, v) in enumerate(fast.decode_layers(pblob, device="cuda")):
         assert torch.equal(k, two.keys[:, :, i]) and torch.equal(v, two.values[:, :, i])
