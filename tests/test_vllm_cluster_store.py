@@ -77,4 +77,4 @@ def test_second_engine_restores_the_first_engines_prefix_from_the_cluster(redis_
         for i, (a, b) in enumerate(zip(first["requests"], second["requests"]))
         if a["tokens"] != b["tokens"]
     ]
-    assert not parted, [(i, j, first["requests"][i]["top2"][j]) for i, j in parted]  # (request, step, its top 2)
+    assert not parted, [(i, j, first["requests"][i]["top"][j]) for i, j in parted]  # (request, step, its top log-probs)

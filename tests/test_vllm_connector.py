@@ -38,10 +38,13 @@ PREFIX = 1024
 RATIO = 16
 #: vLLM's bf16 KV bytes per token for SmolLM2-135M: K and V x 30 layers x 3 heads x 64 dims x 2 bytes.
 VLLM_BF16_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
-#: Two greedy continuations may part where the reference's top two tokens are this close (nats): two bf16 ulps
-#: of logits between 16 and 32. A recompute runs in other batches than the reference did, and vLLM's CPU
-#: kernels round bf16 differently per batch shape; a flip there is not a wrong cache.
+#: Two greedy continuations may part where both engines rank the two tokens this close (nats): two bf16 ulps of
+#: logits between 16 and 32. A recompute runs in other batches than the reference did, and vLLM's CPU kernels
+#: round bf16 differently per batch shape; a flip there is not a wrong cache.
 NEAR_TIE_NATS = 0.25
+#: How far the chosen token's log-probability may move (nats) while a recomputed request agrees with the reference:
+#: seen up to 0.14 when the prefix is computed on top of a restored chunk instead of in one prefill.
+RECOMPUTE_DRIFT_NATS = 0.25
 #: Names under which the connector holds vLLM's objects (requests, layers, configs, outputs).
 VLLM_OBJECTS = {
     "request",
@@ -114,16 +117,34 @@ def _tokens(recs: list[dict]) -> list[list[int]]:
 
 
 def _divergences(ref: list[dict], got: list[dict]) -> list[tuple[int, int, float]]:
-    """``(request, step, reference top-2 gap in nats)`` of each request whose greedy tokens differ."""
+    """``(request, step, gap in nats)`` of each request whose greedy tokens differ, at the first step where they
+    do. The gap is the larger of the two engines' views of that choice: how far below its own best each engine
+    ranks the token the other one chose (infinite when that token is not among the recorded top log-probs)."""
     out = []
     for i, (a, b) in enumerate(zip(ref, got)):
         if a["tokens"] == b["tokens"]:
             continue
         j = next(k for k, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y)
-        (t1, l1), (t2, l2) = a["top2"][j]
-        gap = l1 - l2 if {t1, t2} == {a["tokens"][j], b["tokens"][j]} else math.inf
+        gap = max(_below_best(a["top"][j], b["tokens"][j]), _below_best(b["top"][j], a["tokens"][j]))
         out.append((i, j, gap))
     return out
+
+
+def _below_best(row: list[list], token: int) -> float:
+    """How many nats below the best of ``row`` (``[[token, logprob], ...]``, best first) ``token`` lies."""
+    lp = dict((t, v) for t, v in row)
+    return row[0][1] - lp[token] if token in lp else math.inf
+
+
+def _drift(ref: list[dict], got: list[dict]) -> float:
+    """Largest change, in nats, of the chosen token's log-probability over the steps where two runs agree."""
+    worst = 0.0
+    for a, b in zip(ref, got):
+        for x, y, ra, rb in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
+            if x != y:
+                break
+            worst = max(worst, abs(ra[0][1] - rb[0][1]))
+    return worst
 
 
 def test_connector_touches_vllm_only_through_its_api():
@@ -220,18 +241,22 @@ def test_concurrent_requests_over_shared_prefixes(runs):
 
 def test_corrupt_entry_is_recomputed_with_a_warning(runs):
     """Acceptance 5: a damaged store entry is never served: vLLM recomputes it, warns, and the answer stays right.
-    The recompute runs in other batches than the reference, so a flip at a near-tie is tolerated (see
-    NEAR_TIE_NATS); a wrong cache would part at a clear choice."""
+
+    The recompute runs in other batches than the reference (its prefix is computed on top of the restored chunk 0,
+    not in one prefill), and vLLM's CPU kernels round bf16 per batch shape: log-probs move (RECOMPUTE_DRIFT_NATS),
+    and where two or three tokens are that close the greedy choice may flip (seen in CI: 5 of 16 requests, at gaps
+    of 0.06 to 0.25 nats in the engine that ranked them further apart). A wrong cache moves log-probs by more and
+    parts at clear choices."""
     r = runs["restore"]
     log = runs["restore_log"]
     assert "cannot be restored" in log and "recompute" in log
-    got = r["corrupt_requests"]
-    assert len(got) == 16 and all(
-        len(x["tokens"]) == len(b["tokens"]) for x, b in zip(got, runs["baseline"]["requests"])
-    )
-    bad = [d for d in _divergences(runs["baseline"]["requests"], got) if d[2] > NEAR_TIE_NATS]
+    got, base = r["corrupt_requests"], runs["baseline"]["requests"]
+    assert len(got) == 16 and all(len(x["tokens"]) == len(b["tokens"]) for x, b in zip(got, base))
+    assert _drift(base, got) <= RECOMPUTE_DRIFT_NATS
+    bad = [d for d in _divergences(base, got) if d[2] > 2 * RECOMPUTE_DRIFT_NATS]  # both tokens moved, opposite ways
     assert not bad, bad
     # What vLLM reports is true: the request whose load failed is recomputed and looked up again, and the store then
-    # offers only the chunk before the damaged one (chunk 1 of the prefix): 256 cached tokens, not the 1,024 it was
-    # first offered. The other requests waited for it and found its computed prefix in vLLM's own cache.
-    assert sorted(r["cached"] for r in got)[0] == 256, [r["cached"] for r in got]
+    # offers only the chunks before the damaged one (chunk 1 of the prefix): 256 cached tokens, not the 1,024 it
+    # was first offered. The other requests waited for it and found its computed prefix in vLLM's own cache.
+    assert r["corrupted"]["start"] == 256
+    assert sorted(x["cached"] for x in got) == [256] + [PREFIX] * 15, [x["cached"] for x in got]

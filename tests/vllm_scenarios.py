@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import struct
 import sys
 import time
 
@@ -31,6 +32,8 @@ PREFIX_TOKENS = 1024
 SUFFIX_TOKENS = 48
 SCORED_TOKENS = 32
 GEN_TOKENS = 16
+#: log-probabilities recorded per generated token (the best first)
+TOP_LOGPROBS = 5
 
 
 def model_dir(name: str):
@@ -90,34 +93,49 @@ def make_llm(args):
 
 
 def _gen_records(outs) -> list[dict]:
-    """Greedy tokens with each step's top-2 log-probabilities (to tell a near-tie flip from a real change)."""
+    """Greedy tokens with each step's top-``TOP_LOGPROBS`` log-probabilities (to tell a near-tie flip from a real
+    change: the token another engine chose must be among them, close to the best)."""
     recs = []
     for o in outs:
         c = o.outputs[0]
-        top2 = []
+        top = []
         for row in c.logprobs or []:
-            best = sorted(row.items(), key=lambda kv: -kv[1].logprob)[:2]
-            top2.append([[int(t), lp.logprob] for t, lp in best])
-        recs.append({"tokens": list(c.token_ids), "text": c.text, "cached": o.num_cached_tokens, "top2": top2})
+            best = sorted(row.items(), key=lambda kv: -kv[1].logprob)[:TOP_LOGPROBS]
+            top.append([[int(t), lp.logprob] for t, lp in best])
+        recs.append({"tokens": list(c.token_ids), "text": c.text, "cached": o.num_cached_tokens, "top": top})
     return recs
 
 
-def corrupt_one_entry(store_url: str) -> str:
-    """Flip a byte in the middle of the second-oldest entry of a ``file://`` store (chunk 1 of the first
-    prefix that was stored) and return its path."""
+def _entry_start(path: str) -> int:
+    """First token position of the identity chunk stored in the ``file://`` store entry at ``path``."""
+    from kvtc.codec import Codec
+    from kvtc.store.base import HEADER_SIZE, unseal
+
+    with open(path, "rb") as f:
+        blob = f.read()
+    n, k = struct.unpack_from("<HH", blob, 6)  # the envelope's namespace and key lengths (kvtc.store.base)
+    ns, key = blob[HEADER_SIZE : HEADER_SIZE + n].decode(), blob[HEADER_SIZE + n : HEADER_SIZE + n + k].decode()
+    return int(Codec.identity().decode(unseal(ns, key, blob)).positions[0, 0])
+
+
+def corrupt_one_entry(store_url: str, chunk_tokens: int = 256) -> dict:
+    """Flip a byte in the middle of chunk 1 of the first prefix that was stored in a ``file://`` store of
+    identity entries: the oldest entry holding positions ``chunk_tokens ..`` (entries are told apart by the
+    positions they hold, not by write order: saves finish out of order and file times are coarse). Returns the
+    entry's path and first position."""
     root = store_url[len("file://") :].split("?")[0]
-    entries = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
-    entries = sorted((p for p in entries if os.path.getsize(p) > 100_000), key=lambda p: os.stat(p).st_mtime_ns)
-    if len(entries) < 2:
-        raise SystemExit(f"the store holds {len(entries)} entries, nothing to corrupt")
-    victim = entries[1]
+    entries = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kvs")]
+    second = [p for p in entries if _entry_start(p) == chunk_tokens]
+    if not second:
+        raise SystemExit(f"none of the store's {len(entries)} entries holds chunk 1, nothing to corrupt")
+    victim = min(second, key=lambda p: os.stat(p).st_mtime_ns)
     with open(victim, "r+b") as f:
         size = os.path.getsize(victim)
         f.seek(size // 2)
         byte = f.read(1)
         f.seek(size // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
-    return victim
+    return {"path": victim, "start": chunk_tokens}
 
 
 def run(args) -> dict:
@@ -143,7 +161,7 @@ def _serve(llm, args, startup: float) -> dict:
     hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     out: dict = {"mode": args.mode, "model": args.model, "startup_s": startup, "hybrid_kv_cache_manager": hybrid}
 
-    gen = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=2)
+    gen = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
     if args.warm_prefix:
         # Compute each shared prefix alone first: every prompt below then computes only its suffix on top of a
         # cached prefix, as in an engine that restores the prefix (vLLM's CPU kernels round bf16 differently
