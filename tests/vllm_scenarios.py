@@ -157,7 +157,9 @@ def _serve(llm, args, startup: float) -> dict:
 
     tok = llm.get_tokenizer()
     bos = tok.bos_token_id if args.model == "gemma3" else None
-    prompts = build_prompts(tok, args.prompts, args.groups, args.prefix, SUFFIX_TOKENS, args.scored, bos=bos)
+    prompts = build_prompts(
+        tok, args.prompts, args.groups, args.prefix, SUFFIX_TOKENS, args.scored, skip=args.skip, bos=bos
+    )
     hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     out: dict = {"mode": args.mode, "model": args.model, "startup_s": startup, "hybrid_kv_cache_manager": hybrid}
 
@@ -203,7 +205,9 @@ def _serve(llm, args, startup: float) -> dict:
             rec["scored_cached"] = o.num_cached_tokens
     # Other prefixes than the prompts above (none of them in any engine's cache or store yet).
     many = (
-        build_prompts(tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, args.scored, skip=args.prefix, bos=bos)
+        build_prompts(
+            tok, args.concurrent, 4, args.prefix, SUFFIX_TOKENS, args.scored, skip=args.skip + args.prefix, bos=bos
+        )
         if args.concurrent
         else []
     )
@@ -404,6 +408,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--skip", type=int, default=0, help="tokens of the text skipped before the first prefix")
     ap.add_argument("--prefix", type=int, default=PREFIX_TOKENS)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--score", action="store_true")
