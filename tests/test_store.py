@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvtc.errors import FormatError, StoreError
 from kvtc.store import FileStore, MemoryStore, RedisStore, Store, entry_id, open_store, seal, unseal
-from kvtc.store.base import HEADER_SIZE
+from kvtc.store.base import HEADER_SIZE, envelope_names
 from redis_server import (  # noqa: F401  (pytest fixtures)
     RedisServer,
     own_redis_server,
@@ -172,6 +172,19 @@ def test_envelope_layout_is_fixed() -> None:
 def test_unseal_rejects_damage(mutate: Callable[[bytes], bytes], message: str) -> None:
     with pytest.raises(FormatError, match=message):
         unseal("m:c", "k1", mutate(seal("m:c", "k1", b"payload")))
+
+
+def test_envelope_names_reads_what_seal_wrote_and_refuses_torn_entries() -> None:
+    blob = seal(NS_A, "chunk-7", b"payload")
+    assert envelope_names(blob) == (NS_A, "chunk-7")
+    assert unseal(*envelope_names(blob), blob) == b"payload"
+    for torn in (blob[:-1], blob[:10], b"XXXX" + blob[4:]):
+        with pytest.raises(FormatError):
+            envelope_names(torn)
+    bad = bytearray(blob)
+    bad[HEADER_SIZE] = 0xFF  # the namespace's first byte, no longer UTF-8
+    with pytest.raises(FormatError, match="UTF-8"):
+        envelope_names(bytes(bad))
 
 
 def test_unseal_rejects_foreign_identity() -> None:

@@ -132,7 +132,7 @@ def _divergences(ref: list[dict], got: list[dict]) -> list[tuple[int, int, float
 
 def _below_best(row: list[list], token: int) -> float:
     """How many nats below the best of ``row`` (``[[token, logprob], ...]``, best first) ``token`` lies."""
-    lp = dict((t, v) for t, v in row)
+    lp = dict(row)
     return row[0][1] - lp[token] if token in lp else math.inf
 
 

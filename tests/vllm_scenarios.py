@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import struct
 import sys
 import time
 
@@ -109,13 +108,11 @@ def _gen_records(outs) -> list[dict]:
 def _entry_start(path: str) -> int:
     """First token position of the identity chunk stored in the ``file://`` store entry at ``path``."""
     from kvtc.codec import Codec
-    from kvtc.store.base import HEADER_SIZE, unseal
+    from kvtc.store.base import envelope_names, unseal
 
     with open(path, "rb") as f:
         blob = f.read()
-    n, k = struct.unpack_from("<HH", blob, 6)  # the envelope's namespace and key lengths (kvtc.store.base)
-    ns, key = blob[HEADER_SIZE : HEADER_SIZE + n].decode(), blob[HEADER_SIZE + n : HEADER_SIZE + n + k].decode()
-    return int(Codec.identity().decode(unseal(ns, key, blob)).positions[0, 0])
+    return int(Codec.identity().decode(unseal(*envelope_names(blob), blob)).positions[0, 0])
 
 
 def corrupt_one_entry(store_url: str, chunk_tokens: int = 256) -> dict:

@@ -127,6 +127,26 @@ def parse_header(head: bytes) -> int:
     return HEADER_SIZE + n + k + p
 
 
+def _names(view: memoryview) -> tuple[bytes, bytes]:
+    """The namespace and key bytes an envelope declares, after checking its header and length."""
+    total = parse_header(bytes(view[:HEADER_SIZE]))
+    if len(view) != total:
+        raise FormatError(f"store entry is {len(view)} bytes, its header says {total}: torn or truncated")
+    _, _, _, n, kl, _, _ = _HEADER.unpack_from(view)
+    return bytes(view[HEADER_SIZE : HEADER_SIZE + n]), bytes(view[HEADER_SIZE + n : HEADER_SIZE + n + kl])
+
+
+def envelope_names(blob: bytes | bytearray | memoryview) -> tuple[str, str]:
+    """The (namespace, key) an envelope says it was written for, read without checking its checksum (for
+    tools that walk a store's files; :func:`unseal` with them checks the rest). Raises `FormatError` when the
+    envelope is torn or its names are not UTF-8."""
+    ns, key = _names(memoryview(blob))
+    try:
+        return ns.decode("utf-8"), key.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"store entry names are not UTF-8 ({e}): corrupt") from e
+
+
 def unseal(namespace: str, key: str, blob: bytes | bytearray | memoryview) -> bytes:
     """Return the payload of an envelope written for exactly (namespace, key).
 
@@ -135,13 +155,8 @@ def unseal(namespace: str, key: str, blob: bytes | bytearray | memoryview) -> by
     """
     ns, k = _name_bytes("namespace", namespace), _name_bytes("key", key)
     view = memoryview(blob)
-    total = parse_header(bytes(view[:HEADER_SIZE]))
-    if len(view) != total:
-        raise FormatError(f"store entry is {len(view)} bytes, its header says {total}: torn or truncated")
-    _, _, _, n, kl, _, _ = _HEADER.unpack_from(view)
-    got_ns = bytes(view[HEADER_SIZE : HEADER_SIZE + n])
-    got_key = bytes(view[HEADER_SIZE + n : HEADER_SIZE + n + kl])
-    payload = view[HEADER_SIZE + n + kl :]
+    got_ns, got_key = _names(view)
+    payload = view[HEADER_SIZE + len(got_ns) + len(got_key) :]
     if _digest(bytes(view[: _HEADER.size]), got_ns, got_key, payload) != bytes(view[_HEADER.size : HEADER_SIZE]):
         raise FormatError("store entry checksum mismatch: corrupt")
     if got_ns != ns or got_key != k:
