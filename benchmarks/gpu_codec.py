@@ -26,7 +26,7 @@ Per case and projection precision (bf16, fp8):
 * ceilings: device-to-device copy bandwidth, bf16 matrix rate and pinned host copies, measured in the same run.
 
 ``python benchmarks/gpu_codec.py --out results.json [--quick] [--models llama-3.1-8b] [--calib-samples N]
-[--cases random,realistic] [--profile DIR]``; ``--write-spectrum CALIBRATION`` rewrites the spectrum file from a
+[--cases random,realistic] [--skip-throughput] [--profile DIR]``; ``--write-spectrum CALIBRATION`` rewrites the spectrum file from a
 calibration; ``--profile`` writes a host (cProfile) and a device (torch.profiler) profile of one bf16 decompress per case.
 """
 
@@ -580,14 +580,15 @@ def run_case(
         kv, _ = prefill_kv(model, ids)
     else:
         kv = synthetic_slice(src, layout, batch, seq)
-    res.update(bench_throughput(kv, cal, args.ratio, ceil, say, f"{name}/{case}", args.profile))
+    if not args.skip_throughput:
+        res.update(bench_throughput(kv, cal, args.ratio, ceil, say, f"{name}/{case}", args.profile))
     del kv
     free()
     save(res)
     say(f"{name}/{case}: throughput done")
     # TTFT: the cache holds the prefix (all tokens but the last); feeding the last token predicts what recomputing
     # the whole prefill predicts
-    precision = "fp8" if "error" not in res.get("fp8", {"error": 1}) else "bf16"
+    precision = "bf16" if "error" in res.get("fp8", {}) else "fp8"
     codec = Codec(cal, ratio=args.ratio, device="cuda", precision=precision, backend=gpu_backend())
     try:
         if case == "random":
@@ -640,6 +641,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--write-spectrum", metavar="CALIBRATION", help="rewrite the spectrum file and exit")
+    ap.add_argument("--skip-throughput", action="store_true", help="time to first token (and the lossless check) only")
     ap.add_argument("--profile", metavar="DIR", help="write a host and a device profile of one decompress there")
     args = ap.parse_args()
     if args.write_spectrum:

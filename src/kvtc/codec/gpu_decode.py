@@ -15,10 +15,10 @@ other blocks are still being copied and parsed; the second product adds into the
 rounding). fp8 products take no accumulator and run in one part. Nothing waits for the device in between: the
 entropy decoder raises a device flag on a corrupt block, and the CRC-32 of every section runs on host threads
 meanwhile (started once the first phase is queued, so that they do not compete with its parsing); both are checked
-before anything is returned (:meth:`Codec.decode`) or yielded (:meth:`Codec.decode_layers`, which checks them once
-every coefficient is decoded and then reconstructs one layer at a time, each layer's product queued and handed over
-without waiting for the device, so an engine can queue its own work on layer 0 while later layers are still being
-computed).
+before anything is returned (:meth:`Codec.decode`) or yielded (:meth:`Codec.decode_layers`, which stages the same
+phases, queues every layer's products into that layer's own tensors, and checks only then, waiting for the decode but
+not for the products: the layers are handed over while the device is still computing them, so an engine queues its
+own work on layer 0 behind them without a gap).
 
 The fp8 reconstruction takes its operand straight from the unpack+dequantize kernel (coefficients divided by their
 components' standard deviations, written as E4M3; :class:`~kvtc.codec.transform.PCATransform`); a sequence's
@@ -119,6 +119,8 @@ class _Job:
         self.device = codec.device
         self.pending: Any = None
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.flag: Any = None  # the corruption flag in pinned host memory, once copied there (flag_ready)
+        self.flagged: Any = None  # the event after that copy
         self.secs: dict[str, Any] = {}
         self.stream = _stream(self.device, "copy")
         self.prep: Any = None  # the stream decode and dequantize run on (None: the current one)
@@ -229,12 +231,24 @@ class _Job:
             ev.record(self.prep)
             self.main.wait_event(ev)
 
+    def flag_ready(self) -> None:
+        """Copy the entropy decoder's corruption flag to pinned host memory behind what is queued so far, so that
+        :meth:`check` waits for the decode alone, not for the products queued after it."""
+        if self.device.type == "cuda":
+            self.flag = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self.flag.copy_(self.err, non_blocking=True)
+            self.flagged = torch.cuda.Event()
+            self.flagged.record()
+
     def check(self) -> None:
-        """Raise FormatError for a checksum mismatch or a corrupt entropy block (waits for the device)."""
+        """Raise FormatError for a checksum mismatch or a corrupt entropy block (waits for the device: for the
+        decode alone after :meth:`flag_ready`, else for everything queued)."""
         for s, got in zip(self.header.sections, self.pending.result()):
             if got != s.crc32:
                 raise FormatError(f"section {s.name}: checksum mismatch; the blob is corrupt")
-        self.coder.check(self.err)
+        if self.flag is not None:
+            self.flagged.synchronize()
+        self.coder.check(self.err if self.flag is None else self.flag)
 
 
 def _open(codec: Any, blob: Any) -> _Job | None:
@@ -368,6 +382,10 @@ def decode_layers(codec: Any, blob: Any) -> Iterator[tuple[int, torch.Tensor, to
 
 
 def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Staged like :func:`decode` (the values' words decoded while the keys' products run), with each layer's
+    products written into that layer's own tensors. Every product is queued before the checks, so the device
+    computes them while the host waits for the checksums and the decoder's flag; nothing is handed out before both
+    pass, and nothing waits for the products."""
     h, dev = job.header, job.device
     tr = job.codec._transform
     lay = h.layout
@@ -376,26 +394,40 @@ def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     dt = DTYPES[lay.dtype]
     hd = (len(lay.heads), lay.head_dim)
     width = hd[0] * hd[1]
-    for phase in ("keys1", "keys2", "rest", "values") if job.cut is not None else ("keys", "rest", "values"):
+    job.prep = _stream(dev, "prep")
+    if job.prep is not None:
+        job.prep.wait_stream(job.main)
+    full = {kind: [torch.empty((B, T, *hd), dtype=dt, device=dev) for _ in lay.layers] for kind in KINDS}
+    steps: list[tuple[str, str, int | None]] = [("keys", "keys", None)]
+    if job.cut is not None:
+        steps = [("keys1", "keys", 0), ("keys2", "keys", 1)]
+    steps += [("rest", "", None), ("values", "values", None)]
+    targets: dict[str, list] = {}
+    for phase, kind, part in steps:
         job.stage(phase)
-    prot = {k: section_tensor(job.secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd), dev) for k in KINDS}
-    for kind in KINDS:
-        job.coefficients(kind)
-    parts = (0, 1) if job.cut is not None else (None,)
+        if phase == "rest":
+            job.ready()
+            for k in KINDS:
+                prot = section_tensor(job.secs[f"raw.{k}"], dt, (B, s + w, len(lay.layers), *hd), dev)
+                for li, f in enumerate(full[k]):
+                    f[:, :s] = prot[:, :s, li]
+                    f[:, T - w :] = prot[:, s:, li]
+            continue
+        job.coefficients(kind, part)
+        job.ready()
+        if kind not in targets:
+            targets[kind] = [_targets(f, s, w, m, dt, tr) for f in full[kind]]
+        for li, (tg, _) in enumerate(targets[kind]):
+            _project(job, kind, part, tg, columns=(li * width, (li + 1) * width))
+        if part != 0:
+            for f, (tg, direct) in zip(full[kind], targets.pop(kind)):
+                if not direct:
+                    f[:, s : T - w] = tg[0].to(dt).reshape(B, m, *hd)
+    with _on(job.prep):
+        job.flag_ready()
     job.check()  # every section's checksum and entropy block, before anything is handed out
     for li, layer in enumerate(lay.layers):
-        pair = []
-        for kind in KINDS:
-            full = torch.empty((B, T, *hd), dtype=dt, device=dev)
-            full[:, :s] = prot[kind][:, :s, li]
-            full[:, T - w :] = prot[kind][:, s:, li]
-            tg, direct = _targets(full, s, w, m, dt, tr)
-            for part in parts if kind == "keys" else (None,):
-                _project(job, kind, part, tg, columns=(li * width, (li + 1) * width))
-            if not direct:
-                full[:, s : T - w] = tg[0].to(dt).reshape(B, m, *hd)
-            pair.append(full)
-        yield layer, pair[0], pair[1]
+        yield layer, full["keys"][li], full["values"][li]
 
 
 __all__ = ["DIRECT_MIN_TOKENS", "SPLIT_FIRST", "SPLIT_MIN_MACS", "decode", "decode_layers"]
