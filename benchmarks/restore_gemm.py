@@ -23,21 +23,7 @@ from pathlib import Path
 
 import torch
 
-
-def _time(fn, reps: int) -> float:
-    """Median device seconds of ``fn`` after one warm-up (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
+import _report
 
 
 @torch.no_grad()
@@ -104,7 +90,7 @@ def main() -> None:
         "variants": {},
     }
     for name, fn in variants.items():
-        t = _time(fn, args.reps)
+        t = _report.cuda_timed(fn, args.reps)
         res["variants"][name] = {"ms": round(t * 1e3, 2), "TFLOPs": round(flops / t / 1e12, 1)}
         print(name, res["variants"][name], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
