@@ -15,7 +15,8 @@ position, the second-order KL up to a factor) on held-out windows:
 Gradients and features come from the model's own cache (pre-RoPE keys, values) after a 2,048-token prefill of
 speeches before 2000, with the next 256 tokens teacher-forced; positions past the 4 sinks and before the 128 newest.
 Fitted on ``--fit`` windows, scored on ``--score`` others. Truncation only (no quantization), so it isolates the
-choice of subspace. ``python benchmarks/fisher_directions.py [--fit 3] [--score 2]``
+choice of subspace. Then the default calibration's plans for these layers at 8, 16 and 32x on the scored windows:
+what their truncation alone leaves and what the whole plan (quantized as the codec does) leaves. ``python benchmarks/fisher_directions.py [--fit 3] [--score 2]``
 """
 
 from __future__ import annotations
@@ -116,16 +117,39 @@ def study(fit: list[dict], score: list[dict], kind: str) -> dict:
     return res
 
 
-def plan_bits(layout) -> dict:
-    """Bits per coded token of a plan: quantized data and per-token range parameters (fp16 rows)."""
-    from kvtc.quant import DROP, TYPE_BITS, param_rows
+def plan_study(cal, group: int, score: list[dict], kind: str, ratio: str) -> dict:
+    """The default calibration's plan for the full-attention group at ``ratio`` on the scored windows: the share of
+    the loss proxy left by its truncation alone (kept components exact) and by the whole plan (kept components
+    quantized as the codec does), and its bits per coded token (data, and per-token fp16 range parameters)."""
+    from kvtc.codec.quantizer import plan_layouts
+    from kvtc.codec.transform import PCATransform
+    from kvtc.quant import DROP, TYPE_BITS, dequantize, param_rows, quantize
 
-    groups = [(n, t) for _, n, t in layout.plan.groups() if t != DROP]
+    x = torch.cat([w[kind][0] for w in score]).float()
+    g = torch.cat([w[kind][1] for w in score]).float()
+    tr = PCATransform(cal, torch.device("cpu"), "fp32", False)
+    layout = plan_layouts(cal, ratio)[kind][group]
+    k = layout.components
+    mean, basis = tr.basis(kind, group, k, decode=True)
+    c = tr.project(kind, group, x, k)
+    q = torch.zeros_like(c)
+    clips = layout.plan.kept_clips()
+    kept = [(start, n, t) for start, n, t in layout.plan.groups() if t != DROP]
+    for (start, n, t), clip in zip(kept, clips):
+        sym, shift, scale = quantize(c[:, start : start + n].unsqueeze(1), t, clip)
+        q[:, start : start + n] = dequantize(sym, shift, scale, t)[:, 0]
+
+    def proxy(d: torch.Tensor) -> float:
+        return float(((g * d).sum(1) ** 2).sum())
+
+    base = proxy(x - mean)
     return {
-        "components": layout.components,
-        "groups": len(groups),
-        "data_bits": sum(n * TYPE_BITS[t] for n, t in groups),
-        "param_bits": sum(16 * param_rows(t) for _, t in groups),
+        "components": k,
+        "groups": len(kept),
+        "data_bits": sum(n * TYPE_BITS[t] for _, n, t in kept),
+        "param_bits": sum(16 * param_rows(t) for _, _, t in kept),
+        "truncation_proxy_left": proxy(x - (c @ basis + mean)) / base,
+        "plan_proxy_left": proxy(x - (q @ basis + mean)) / base,
     }
 
 
@@ -158,19 +182,19 @@ def main(argv: list[str]) -> int:
     model, tok = assets.load_model("gemma3")
     model.float()
     from kvtc.calibration import load_calibration
-    from kvtc.codec.quantizer import plan_layouts
 
     cal = load_calibration("default", model="gemma3", progress=False)
     lay = cal.layout
     width = len(lay.heads) * lay.head_dim
     full_group = next(g for g, c in enumerate(cal.columns) if lay.limit(int(c[0]) // width) == 0)  # full layers' PCA
-    kept = plan_layouts(cal, "16")["keys"][full_group].components
-    budget = {r: plan_bits(plan_layouts(cal, r)["keys"][full_group]) for r in ("16", "32")}
     wins = collect(model, tok, args.fit + args.score, 2048, 256, 4, 128)
     result = {"machine": _report.machine(), "command": _report.command(), "fit_windows": args.fit}
     result["score_windows"] = args.score
-    result["full_group_key_plans"] = budget
     result["kinds"] = {kind: study(wins[: args.fit], wins[args.fit :], kind) for kind in ("keys", "values")}
+    result["default_plans"] = {
+        kind: {r: plan_study(cal, full_group, wins[args.fit :], kind, r) for r in ("8", "16", "32")}
+        for kind in ("keys", "values")
+    }
     rows = []
     for kind, r in result["kinds"].items():
         for rank, m in r["ranks"].items():
@@ -178,6 +202,20 @@ def main(argv: list[str]) -> int:
             for name in ("plain", "diagonal", "full"):
                 row[name] = f"{m[name]['loss_proxy_left']:.4f} ({m[name]['relative_error']:.3f})"
             rows.append(row)
+    plan_rows = []
+    for kind, per in result["default_plans"].items():
+        for r, b in per.items():
+            plan_rows.append(
+                {
+                    "kind": kind,
+                    "target": f"{r}×",
+                    "kept components": b["components"],
+                    "data / range-parameter bits per token": f"{b['data_bits']} / {b['param_bits']}",
+                    "proxy left by truncation": f"{b['truncation_proxy_left']:.4f}",
+                    "proxy left by the plan": f"{b['plan_proxy_left']:.4f}",
+                }
+            )
+    k16, k32 = result["default_plans"]["keys"]["16"], result["default_plans"]["keys"]["32"]
     md = (
         "### Full vs diagonal Fisher weighting (Gemma-3-270M full-attention layers)\n\n"
         f"`{result['command']}` — {result['machine']['date']}. Share of the loss proxy Σ(g·Δx)² left on "
@@ -186,17 +224,26 @@ def main(argv: list[str]) -> int:
         "covariance is concentrated (keys: "
         f"{result['kinds']['keys']['gradient_energy_in_top_directions'][64]:.0%} of its energy in 64 directions, "
         f"{result['kinds']['keys']['gradient_energy_in_top_features'][64]:.0%} in the top 64 single features). "
-        f"{verdict(result['kinds'])} At the rank the default 16× plan keeps for these keys ({kept}), truncation "
-        f"with the diagonal weighting leaves {result['kinds']['keys']['ranks'][min(RANKS, key=lambda r: abs(r - kept))]['diagonal']['loss_proxy_left']:.1%} "
-        "of the proxy (at the nearest rank measured): the keys' loss at 16× comes from quantizing the kept "
-        "components, not from the subspace. Those components' budget per coded token: "
-        + "; ".join(
-            f"{r}×: {b['components']} components in {b['groups']} groups, {b['data_bits']} data bits and "
-            f"{b['param_bits']} bits of per-token range parameters ({b['param_bits'] / (b['data_bits'] + b['param_bits']):.0%})"
-            for r, b in budget.items()
-        )
-        + ".\n\n"
+        f"{verdict(result['kinds'])}\n\n"
         + _report.table(rows, ["kind", "rank", "plain", "diagonal", "full"])
+        + "\n\nThe default calibration's plans for the same layers, on the same held-out windows: what their "
+        "truncation alone leaves (kept components exact) and what the whole plan leaves (kept components quantized "
+        "as the codec does). For the keys, truncation is "
+        f"{k16['truncation_proxy_left'] / k16['plan_proxy_left']:.0%} of what the 16× plan leaves and "
+        f"{k32['truncation_proxy_left'] / k32['plan_proxy_left']:.0%} at 32×; per-token range parameters take "
+        f"{k16['param_bits'] / (k16['data_bits'] + k16['param_bits']):.0%} and "
+        f"{k32['param_bits'] / (k32['data_bits'] + k32['param_bits']):.0%} of their bits.\n\n"
+        + _report.table(
+            plan_rows,
+            [
+                "kind",
+                "target",
+                "kept components",
+                "data / range-parameter bits per token",
+                "proxy left by truncation",
+                "proxy left by the plan",
+            ],
+        )
         + "\n\nResult: `benchmarks/results/fisher_directions.json`."
     )
     _report.publish("fisher_directions", result, md)
