@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvtc.calibration.dp import Plan
-from kvtc.quant import DROP, FP8, FP8S, INT2, INT2S, INT3, INT3S, INT4, INT4S
+from kvtc.quant import DROP, FP8, FP8S, INT1S, INT2, INT2S, INT3, INT3S, INT4, INT4S
 
 F16_MAX = 65504.0
 
@@ -25,8 +25,8 @@ def quantize_dequantize(x: torch.Tensor, qtype: int, clip: float = 1.0) -> torch
     """x: [tokens, size] float64 -> reconstruction, float64. ``clip``: the encoder's clip of a scale-only int group."""
     lo = x.min(dim=1).values
     hi = x.max(dim=1).values
-    if qtype in (INT2S, INT3S, INT4S):
-        levels = {INT2S: 3, INT3S: 7, INT4S: 15}[qtype]
+    if qtype in (INT1S, INT2S, INT3S, INT4S):
+        levels = {INT1S: 1, INT2S: 3, INT3S: 7, INT4S: 15}[qtype]
         scale = _f16_up(torch.maximum(-lo, hi).clamp(min=0) * clip * 2 / levels)
         q = torch.zeros_like(x)
         ok = scale > 0

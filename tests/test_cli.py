@@ -131,10 +131,13 @@ def test_calibrate_types_option_parses_names_and_refuses_unknown_ones():
     from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES
     from kvtc.cli import parse_types
     from kvtc.errors import KVTCError
-    from kvtc.quant import INT2S, INT3
+    from kvtc.quant import INT1S, INT2S, INT3
 
     assert parse_types("all") == DEFAULT_TYPES and parse_types("paper") == PAPER_TYPES
     assert parse_types("int3, int2s,int3") == (INT3, INT2S)
-    for bad in ("int9", "drop", ","):
+    # int1s is opt-in: not in the default set, added to it by name
+    assert INT1S not in DEFAULT_TYPES and parse_types("all,int1s") == (*DEFAULT_TYPES, INT1S)
+    assert parse_types("paper,int2") == PAPER_TYPES
+    for bad in ("int9", "drop", ",", "all,int9"):
         with pytest.raises(KVTCError, match="quantization type"):
             parse_types(bad)

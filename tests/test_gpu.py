@@ -15,12 +15,13 @@ import torch
 
 from kvtc import KVLayout
 from kvtc.calibration import Recipe, fit_calibration
+from kvtc.calibration.dp import Plan
 from kvtc.codec import Codec
 from kvtc.codec import nvcomp as gpu_entropy
 from kvtc.codec.codec import CODED_TYPES
 from kvtc.codec.entropy import BACKENDS, device_coder
 from kvtc.codec.packing import pack, packed_plane_bytes
-from kvtc.quant import CLIPS, TYPE_BITS, clippable, dequantize, param_rows, quantize
+from kvtc.quant import CLIPS, INT1S, INT4S, TYPE_BITS, clippable, dequantize, param_rows, quantize
 from synthetic import LowRankSource, make_slice
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -283,6 +284,32 @@ def test_gpu_restore_path_layers_and_blob_forms_agree(setup, precision):
     ref = Codec(cal, ratio=16, backend="huff4k").decode(blob)
     for x, y in ((ref.keys, whole.keys), (ref.values, whole.values)):
         assert float((x.float() - y.float().cpu()).square().sum()) <= 3e-3 * float(x.float().square().sum())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_one_bit_plans_code_the_same_on_both_devices(setup, precision):
+    """A plan with int1s groups (opt-in type): the GPU's encoder and restore paths (whole, layer by layer, from
+    pinned memory) agree with the CPU reference, and the blobs cross devices."""
+    _kernels()
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    cal, kv = setup
+    plan = Plan(((16, INT4S, 1), (16, INT1S, 3)), clips=(1.0, 0.375, 0.3125, 0.25))
+    hand = dataclasses.replace(cal, plans={"8": {"keys": [plan], "values": [plan]}})
+    cpu = Codec(hand, ratio=8, backend="huff4k")
+    gpu = Codec(hand, ratio=8, device="cuda", precision=precision, backend="huff4k")
+    blob_cpu, blob_gpu = cpu.encode(kv), gpu.encode(_cuda(kv))
+    ref = cpu.decode(blob_cpu)
+    tol = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}[precision]
+    for blob in (blob_cpu, blob_gpu):
+        a = cpu.decode(blob)
+        b = gpu.decode(blob, device="cuda")
+        for i, (_layer, k, v) in enumerate(gpu.decode_layers(blob, device="cuda")):
+            assert torch.equal(k, b.keys[:, :, i]) and torch.equal(v, b.values[:, :, i])
+        for x, y, r in ((a.keys, b.keys, ref.keys), (a.values, b.values, ref.values)):
+            energy = float(r.float().square().sum())
+            assert float((x.float() - y.float().cpu()).square().sum()) <= tol * energy
+            assert float((x.float() - r.float()).square().sum()) <= 1e-2 * energy  # same symbols, a few aside
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -3,6 +3,7 @@ encode/decode bases, and the calibration file (format version 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_scales
-from kvtc.calibration.dp import PAPER_TYPES
+from kvtc.calibration.dp import PAPER_TYPES, Plan
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
+from kvtc.quant import INT1S, INT4S
 from synthetic import LowRankSource, make_slice
 
 LAYOUT = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=16)  # p = 64, four (layer, head) blocks of 16
@@ -182,8 +184,26 @@ def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it()
     # a file that claims version 2 but whose plans use version-3 types is corrupt
     meta = json.loads(_meta(ours.to_bytes()))
     meta["version"] = 2
-    with pytest.raises(CalibrationError, match="version-2 calibration with quantization types"):
+    with pytest.raises(CalibrationError, match="version-2 calibration whose plans or scales need version 3"):
         Calibration.from_bytes(_with_meta(ours.to_bytes(), json.dumps(meta, sort_keys=True)))
+
+
+def test_a_calibration_with_one_bit_plans_is_version_5_and_a_version_4_claim_is_refused() -> None:
+    # int1s (code 9) is unknown to a version-4 reader: a calibration whose plans use it is written as version 5 (a
+    # version-4 reader refuses it by its version), one without it stays version 4; a file claiming 4 is corrupt
+    k, v = _rows(0)
+    base = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512), feature_scale=_scales())
+    plan = Plan(((1, INT4S, 4), (4, INT1S, 2)), clips=(1.0,) * 4 + (0.3125, 0.375))
+    one_bit = dataclasses.replace(base, plans={"8": {"keys": [plan], "values": [plan]}})
+    assert base.version == 4 and one_bit.version == 5 and INT1S in one_bit.types
+    data = one_bit.to_bytes()
+    assert json.loads(_meta(data))["version"] == 5
+    back = Calibration.from_bytes(data)
+    assert back.hash == one_bit.hash and back.plans["8"]["keys"][0] == plan
+    meta = json.loads(_meta(data))
+    meta["version"] = 4
+    with pytest.raises(CalibrationError, match="version-4 calibration whose plans or scales need version 5"):
+        Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
 
 
 def test_weighted_split_sums_the_weighted_errors(cals) -> None:

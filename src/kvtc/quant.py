@@ -1,4 +1,4 @@
-"""Quantizers of PCA coefficients: uniform integers (int2 / int3 / int4) and fp8 E4M3, each with per-token
+"""Quantizers of PCA coefficients: uniform integers (int1 / int2 / int3 / int4) and fp8 E4M3, each with per-token
 range parameters.
 
 Two families of range parameters, per token and kept group of ``size`` consecutive components, in IEEE half
@@ -7,7 +7,7 @@ precision, counted against the bit budget:
 * **min/max** (the paper's; KIVI-style asymmetric): a shift and a scale, 32 bits. int: ``x ≈ shift + q·scale``,
   ``q`` in ``0..2^b-1`` spanning the group's [min, max]; fp8: the shift is the range's midpoint and
   ``scale = half-range / 448``.
-* **symmetric** (ours; types ``int2s``, ``int3s``, ``int4s``, ``fp8s``): a scale only, 16 bits. PCA coefficients
+* **symmetric** (ours; types ``int1s``, ``int2s``, ``int3s``, ``int4s``, ``fp8s``): a scale only, 16 bits. PCA coefficients
   are centred, so the shift buys little for many groups, while its 16 bits are a large share of a small group.
   int: ``x ≈ (q - L/2)·scale`` with ``L = 2^b - 1`` and ``scale = 2·c·max|x| / L``: with the *clip* ``c = 1``
   the outer levels are ``±max|x|``; the encoder may clip (``c < 1``, from :data:`CLIPS`), saturating the few
@@ -17,7 +17,9 @@ precision, counted against the bit budget:
   ``scale = max|x| / 448``. A group of one component in ``int2s`` (``c = 1``) stores its value to half precision
   (the sign in the symbol) in 18 bits.
 
-int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. Which types a calibration
+int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. int1s (ours, opt-in: not in
+the DP's default set) keeps a coefficient's sign, ``±c·max|x|`` (the best clip is near the group's mean ``|x|``):
+1.25 bits a component in a group of 64, for tails the other types would drop. Which types a calibration
 may use is the DP's choice (``kvtc.calibration.dp.DEFAULT_TYPES``; the paper's set is ``PAPER_TYPES``).
 
 The functions below are the single definition of the quantizer: the bit allocator measures its errors with them
@@ -33,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-#: quantization type codes as stored in plans and containers (0-3: the paper's; 4-8: ours)
-DROP, INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S = range(9)
+#: quantization type codes as stored in plans and containers (0-3: the paper's; 4-9: ours)
+DROP, INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S, INT1S = range(10)
 TYPE_NAMES = {
     DROP: "drop",
     INT2: "int2",
@@ -45,16 +47,17 @@ TYPE_NAMES = {
     INT3S: "int3s",
     INT4S: "int4s",
     FP8S: "fp8s",
+    INT1S: "int1s",
 }
 TYPE_CODES = {name: code for code, name in TYPE_NAMES.items()}
-TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8}
+TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8, INT1S: 1}
 #: the coded types in their stream order in a blob (the paper's types first: a blob that uses only them is laid
 #: out as before ours existed)
-CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S)
+CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S, INT1S)
 #: scale-only types (no per-token shift)
-SYMMETRIC = frozenset({INT2S, INT3S, INT4S, FP8S})
+SYMMETRIC = frozenset({INT2S, INT3S, INT4S, FP8S, INT1S})
 FP8_TYPES = frozenset({FP8, FP8S})
-INT_TYPES = frozenset({INT2, INT3, INT4, INT2S, INT3S, INT4S})
+INT_TYPES = frozenset({INT2, INT3, INT4, INT2S, INT3S, INT4S, INT1S})
 #: bits of one per-token range parameter (fp16)
 PARAM_BITS = 16
 

@@ -31,22 +31,12 @@ from .. import __version__
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
-from ..quant import DROP, FP8, INT2, INT4
 from .digest import content_hash, decoding_hash
 from .dp import Plan
-from .meta import parse_json, validate_meta
+from .meta import FORMAT_VERSION, READ_VERSIONS, needed_version, parse_json, saved_version, validate_meta
 from .pca import PCAResult
 
 FORMAT_NAME = "kvtc-calibration"
-#: version 1: unweighted; version 2: some PCA group carries a feature scale (a version-1 reader must refuse it:
-#: ignoring the scale would decode garbage); version 3: some plan uses a quantization type beyond the paper's
-#: (int3 or a scale-only type, codes 4-8; an older reader refuses the file by its version instead of failing on
-#: an unknown type); each was the lowest version that could hold the calibration. Version 4 (any content): the hash
-#: names what decoding depends on, a checksum guards the rest; written unless the calibration came from an older file.
-FORMAT_VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
-#: type codes a version-1 or version-2 file may use
-_V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 KINDS = ("keys", "values")
 #: bound on the JSON metadata we are willing to parse
 MAX_META_BYTES = 64 << 20
@@ -189,15 +179,19 @@ class Calibration:
         return any(p.scale is not None for kind in KINDS for p in self.pcas[kind])
 
     @property
+    def types(self) -> frozenset[int]:
+        """The quantization type codes its plans use."""
+        return frozenset(t for by in self.plans.values() for k in KINDS for pl in by[k] for _, t, _ in pl.segments)
+
+    @property
     def extended_types(self) -> bool:
         """True when some plan uses a quantization type beyond the paper's (format version 3)."""
-        return any(
-            t not in _V2_TYPES
-            for by_kind in self.plans.values()
-            for kind in KINDS
-            for pl in by_kind[kind]
-            for _, t, _ in pl.segments
-        )
+        return needed_version(self.types, False) >= 3
+
+    @property
+    def version(self) -> int:
+        """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
+        return saved_version(self.types, self.weighted, self.legacy)
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -220,7 +214,7 @@ class Calibration:
                     info["scaled"] = p.scale is not None
         return {
             "format": FORMAT_NAME,
-            "version": (3 if self.extended_types else 2 if self.weighted else 1) if self.legacy else FORMAT_VERSION,
+            "version": self.version,
             "library_version": self.library_version,
             "layout": self.layout.to_dict(),
             "grouping": self.grouping.to_dict(),
@@ -360,10 +354,11 @@ class Calibration:
             raise CalibrationError(
                 f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`"
             ) from None
-        if cal.extended_types and meta.get("version", 0) < 3:
+        needed = needed_version(cal.types, cal.weighted)
+        if meta.get("version", 0) < needed:
             raise CalibrationError(
-                f"{source}: a version-{meta.get('version')} calibration with quantization types "
-                "of version 3; the file is corrupt"
+                f"{source}: a version-{meta.get('version')} calibration whose plans or scales need version "
+                f"{needed}; the file is corrupt"
             )
         if not cal.legacy and content_hash(meta, tensors, skip="checksum") != meta.get("checksum"):
             raise CalibrationError(

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import CalibrationError
 from ..layout import DTYPES, MAX_TOKENS, PCAGrouping
-from ..quant import TYPE_NAMES
+from ..quant import DROP, FP8, INT1S, INT2, INT4, TYPE_NAMES
 
 #: what a calibration may declare (the largest served models are far below these)
 MAX_LAYERS = 1 << 12
@@ -48,6 +48,32 @@ _TOP = {
     "hash",
 }
 _KINDS = ("keys", "values")
+
+
+#: Calibration file versions. 1: unweighted; 2: some PCA group carries a feature scale (a version-1 reader must
+#: refuse it: ignoring the scale would decode garbage); 3: some plan uses a quantization type beyond the paper's
+#: (int3 or a scale-only type, codes 4-8; an older reader refuses the file by its version instead of failing on an
+#: unknown type); each was the lowest version that could hold the calibration. 4 (any content): the hash names
+#: what decoding depends on, a checksum guards the rest; written unless the calibration came from an older file.
+#: 5: version 4 whose plans use the 1-bit type int1s (code 9), which a version-4 reader does not know (a
+#: calibration without it is still written as version 4, byte for byte as before).
+FORMAT_VERSION = 4
+INT1_VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
+#: type codes a version-1 or version-2 file may use
+_V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
+
+
+def needed_version(types: frozenset[int], weighted: bool) -> int:
+    """The lowest file version that can hold plans of quantization ``types`` (and feature scales if ``weighted``)."""
+    return INT1_VERSION if INT1S in types else 3 if not types <= _V2_TYPES else 2 if weighted else 1
+
+
+def saved_version(types: frozenset[int], weighted: bool, legacy: bool) -> int:
+    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4 or 5."""
+    if legacy:
+        return needed_version(types, weighted)
+    return max(FORMAT_VERSION, needed_version(types, weighted))
 
 
 def parse_json(raw: str | bytes, source: Any) -> Any:

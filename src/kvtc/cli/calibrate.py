@@ -60,9 +60,9 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument(
         "--types",
         default="all",
-        help="quantization types the DP may use: all (default: the paper's int2, int4, fp8 plus our int3 "
-        "and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), or a comma-separated "
-        "list of type names",
+        help="quantization types the DP may use, comma-separated: all (the default set: the paper's int2, int4, "
+        "fp8 plus our int3 and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), type names, "
+        "or a mix such as all,int1s (the opt-in 1-bit type: sign and a per-token scale)",
     )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
@@ -157,19 +157,16 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
 
 
 def parse_types(spec: str) -> tuple[int, ...]:
-    """``all``, ``paper`` or comma-separated type names -> DP type codes."""
+    """Comma-separated ``all`` (the default set), ``paper`` and type names -> DP type codes, e.g. ``all,int1s``."""
     from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES
     from ..quant import DROP, TYPE_CODES
 
-    if spec == "all":
-        return DEFAULT_TYPES
-    if spec == "paper":
-        return PAPER_TYPES
+    sets = {"all": DEFAULT_TYPES, "paper": PAPER_TYPES}
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    bad = [n for n in names if n not in TYPE_CODES or TYPE_CODES[n] == DROP]
+    bad = [n for n in names if n not in sets and (n not in TYPE_CODES or TYPE_CODES[n] == DROP)]
     if bad or not names:
         raise KVTCError(
-            f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, or names from "
-            f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}"
+            f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, names from "
+            f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}, or a comma-separated mix (all,int1s)"
         )
-    return tuple(dict.fromkeys(TYPE_CODES[n] for n in names))
+    return tuple(dict.fromkeys(c for n in names for c in sets.get(n, (TYPE_CODES.get(n, DROP),))))
