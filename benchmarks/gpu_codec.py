@@ -302,28 +302,6 @@ def synthetic_slice(src, layout, batch: int, tokens: int):
     return KVSlice(layout, keys, values, pos, "synthetic")
 
 
-def split_variants(codec, pblob) -> dict:
-    """Decompress median ms with the keys in one part (the default) and split at several first-part shares
-    (:data:`~kvtc.codec.gpu_decode.SPLIT_FIRST`)."""
-    from kvtc.codec import gpu_decode
-
-    keep = gpu_decode.SPLIT_MIN_MACS, gpu_decode.SPLIT_FIRST
-    out = {}
-    try:
-        for name, macs, first in (
-            ("one_part", None, keep[1]),
-            ("first_0.125", 0, 0.125),
-            ("first_0.25", 0, 0.25),
-            ("first_0.5", 0, 0.5),
-        ):
-            gpu_decode.SPLIT_MIN_MACS, gpu_decode.SPLIT_FIRST = macs, first
-            t, _ = timed(lambda: codec.decode(pblob, device="cuda"), reps=5)
-            out[name] = round(t * 1e3, 2)
-    finally:
-        gpu_decode.SPLIT_MIN_MACS, gpu_decode.SPLIT_FIRST = keep
-    return out
-
-
 def profile_decode(codec, pblob, stem: Path, say) -> None:
     """One decompress under cProfile (host functions) and one under torch.profiler (device kernels, a trace)."""
     import cProfile
@@ -379,9 +357,6 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str, profile
             st_e, st_d = {}, {}
             codec.encode(kv, timings=st_e, out=pbuf)
             codec.decode(pblob, timings=st_d, device="cuda")
-            variants = split_variants(codec, pblob) if precision != "fp8" else {}
-            if variants:
-                say(f"{label} {precision}: decompress ms by keys split {variants}")
             if profile_dir and precision == "bf16":
                 profile_decode(codec, pblob, Path(profile_dir) / f"{label.replace('/', '_')}_{precision}", say)
             info = Codec.inspect(blob)
@@ -401,7 +376,6 @@ def bench_throughput(kv, cal, ratio: float, ceil: dict, say, label: str, profile
                 "decompress_from_bytes_GBps": kv_bytes / t_dec_bytes / 1e9,
                 "compress_stages_s": st_e,
                 "decompress_stages_s": st_d,
-                "decompress_ms_by_keys_split": variants,
                 "blob_MB": len(blob) / 1e6,
                 "codec_ratio": info["codec_ratio"],
                 "whole_cache_ratio": info["whole_cache_ratio"],

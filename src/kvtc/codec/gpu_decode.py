@@ -7,12 +7,9 @@ general path. The blob's sections are read in phases: keys (with the positions a
 Each phase's coded words go to the device on a copy stream, straight from the pinned blob; its entropy decode and
 unpack+dequantize are queued on a "prep" stream behind them, and the products on the caller's stream behind those.
 The host parses a phase's streams while the device works on the previous one, and the prep stream's short kernels
-run beside the previous phase's product. An fp32 or bf16 restore can split the keys in two (:data:`SPLIT_FIRST`
-of their components, then the rest; off by default: on an H200 it gained nothing, since the products alone fill
-the time): the streams' rows of the first components' groups are a prefix of each
-stream, so their first blocks are copied and decoded first, and the product of those components starts while the
-other blocks are still being copied and parsed; the second product adds into the first's output (bf16: one more
-rounding). fp8 products take no accumulator and run in one part. Nothing waits for the device in between: the
+run beside the previous phase's product (staging the keys in two parts, the first components' product starting
+while the rest are still copied, gained nothing on an H200: the products alone fill the time, BENCHMARKS.md "GPU
+codec"). Nothing waits for the device in between: the
 entropy decoder raises a device flag on a corrupt block, and the CRC-32 of every section runs on host threads
 meanwhile (started once the first phase is queued, so that they do not compete with its parsing); both are checked
 before anything is returned (:meth:`Codec.decode`) or yielded (:meth:`Codec.decode_layers`, which stages the same
@@ -38,23 +35,17 @@ import torch
 from ..calibration.artifact import KINDS
 from ..errors import FormatError
 from ..layout import DTYPES, KVSlice
-from ..quant import TYPE_BITS, TYPE_NAMES
 from . import container, crc
 from .buffers import section_tensor
 from .entropy import decode_stream, device_coder
-from .huffman import BLOCK, NAME
-from .packing import packed_plane_bytes
+from .huffman import NAME
 from .quantizer import PlanLayout, plan_layouts
 
 #: a sequence's middle tokens are written straight into the output when it has at least this many
 DIRECT_MIN_TOKENS = 512
-#: :func:`decode` stages, decodes and projects the keys in two parts (fp32 and bf16 products) when their product
-#: is at least this many multiply-adds (tokens x kept components x features): the projection of the first
-#: components starts while the rest are still being copied and parsed. None (the default): never. Measured on an
-#: H200 (Llama-3.1-8B shape, 8 x 8K tokens, bf16): 136 ms in one part, 134-138 ms split at 1/8 to 1/2
-SPLIT_MIN_MACS: int | None = None
-#: the share of the keys' kept components in the first part (rounded down to a multiple of 8)
-SPLIT_FIRST = 0.5
+#: the phases of a restore, in order: (phase, the kind whose coefficients it decodes; "" for positions and
+#: protected tokens, needed only once the keys' product is queued)
+_PHASES = (("keys", "keys"), ("rest", ""), ("values", "values"))
 _STREAMS: dict[tuple[str, str], torch.cuda.Stream] = {}
 
 
@@ -108,10 +99,7 @@ def _crc_threads() -> int:
 class _Job:
     """One blob being restored: its checked header, sections, checksums in flight and decoded sections.
 
-    Phases, in this order: "keys" (the keys' coded sections; "keys1" and "keys2" when the keys are split: the
-    blocks of each that hold the first part's components, then the remaining blocks, decoded into the same
-    buffer), "rest" (positions and protected tokens, needed only once the keys' product is queued) and
-    "values"."""
+    Phases: :data:`_PHASES`."""
 
     def __init__(self, codec: Any, coder: Any, header: container.Header, chunks: list, offsets: list, pinned: Any):
         self.codec, self.coder, self.header = codec, coder, header
@@ -127,19 +115,7 @@ class _Job:
         self.main: Any = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.n = header.batch * header.middle_tokens
         self.coeffs: dict[str, torch.Tensor] = {}
-        self.keep: dict[str, Any] = {}
         self.host: dict[str, float] = {}  # host seconds of each phase's staging
-        self.cut = self._cut()
-
-    def _cut(self) -> int | None:
-        """The first component of the keys' second part, or None (one part)."""
-        tr, pl = self.codec._transform, self.plan("keys")
-        k = pl.components
-        cut = int(SPLIT_FIRST * k) // 8 * 8  # 16-byte aligned columns for the second product
-        macs = self.n * k * self.codec.calibration.layout.num_features
-        if tr.fp8 or SPLIT_MIN_MACS is None or macs < SPLIT_MIN_MACS or not 0 < cut < k:
-            return None
-        return cut
 
     def stage(self, phase: str) -> None:
         """Queue the copy and entropy decode of ``phase``'s sections (see the class)."""
@@ -149,50 +125,23 @@ class _Job:
             total = sum(len(c) for c in self.chunks)  # parsing, which the first product waits for, is done
             piece = max(crc.PIECE, -(-total // _crc_threads()))  # one piece per thread: the lock taken rarely
             self.pending = crc.crc32_submit(self.chunks, piece=piece)
-        prefix = "keys." if phase.startswith("keys") else phase + "."
-        idx = [i for i, s in enumerate(h.sections) if _phase_of(s.name) == prefix]
+        idx = [i for i, s in enumerate(h.sections) if _phase_of(s.name) == phase + "."]
         dev = [i for i in idx if h.sections[i].backend == NAME]
-        if phase != "keys2":
-            for i in idx:
-                s = h.sections[i]
-                if s.backend != NAME:  # stored raw: checked and parsed on the host
-                    self.secs[s.name] = decode_stream(bytes(self.chunks[i]), s.backend, s.raw)
+        for i in idx:
+            s = h.sections[i]
+            if s.backend != NAME:  # stored raw: checked and parsed on the host
+                self.secs[s.name] = decode_stream(bytes(self.chunks[i]), s.backend, s.raw)
         if dev:
-            blocks = None
-            if phase in ("keys1", "keys2"):
-                nb = [-(-h.sections[i].raw // BLOCK) for i in dev]
-                cut = [min(self._first_blocks().get(h.sections[i].name, b), b) for i, b in zip(dev, nb)]
-                blocks = [(0, c) for c in cut] if phase == "keys1" else list(zip(cut, nb))
             pinned = None if self.pinned is None else (self.pinned, [self.offsets[i] for i in dev])
             with _on(self.prep):
                 st = self.coder.stage(
-                    [self.chunks[i] for i in dev],
-                    [h.sections[i].raw for i in dev],
-                    pinned,
-                    stream=self.stream,
-                    blocks=blocks,
-                    parsed=self.keep.get("parsed") if phase == "keys2" else None,
+                    [self.chunks[i] for i in dev], [h.sections[i].raw for i in dev], pinned, stream=self.stream
                 )
-                buf = self.keep.get("buf") if phase == "keys2" else None
-                if buf is None:
-                    buf = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
-                    self._used_on_main(buf)
+                buf = torch.empty(max(st["out_bytes"], 16), dtype=torch.uint8, device=self.device)
+                self._used_on_main(buf)
                 outs = self.coder.decode_device(st, self.err, out=buf)
-            if phase == "keys1":
-                self.keep.update(parsed=st["parsed"], buf=buf)
             self.secs.update({h.sections[i].name: t for i, t in zip(dev, outs)})
         self.host[f"host.{phase}"] = time.perf_counter() - t0
-
-    def _first_blocks(self) -> dict[str, int]:
-        """The blocks of each keys section that hold the rows of the first part's components."""
-        if "first_blocks" not in self.keep:
-            pl, n, packing = self.plan("keys"), self.n, self.header.packing
-            rows, counts = pl.split(self.cut or 0)
-            out = {"keys.0.params": -(-rows[None] * 2 * n // BLOCK)}
-            for t in pl.plane_sizes:
-                out[f"keys.0.{TYPE_NAMES[t]}"] = -(-rows[t] * packed_plane_bytes(n, TYPE_BITS[t], packing) // BLOCK)
-            self.keep.update(first_blocks=out, counts=counts)
-        return self.keep["first_blocks"]
 
     def _used_on_main(self, t: torch.Tensor) -> None:
         """``t`` is made on the prep stream and read on the current one: its memory waits for that too."""
@@ -202,26 +151,18 @@ class _Job:
     def plan(self, kind: str) -> PlanLayout:
         return plan_layouts(self.codec.calibration, self.header.ratio)[kind][0]
 
-    def coefficients(self, kind: str, part: int | None = None) -> tuple[torch.Tensor, PlanLayout]:
+    def coefficients(self, kind: str) -> tuple[torch.Tensor, PlanLayout]:
         """The kind's coefficients on the device, as the reconstruction takes them (fp8: its E4M3 operand), on
-        the prep stream; ``part`` 0 or 1: only the groups of the keys' first or second part (same tensor)."""
+        the prep stream."""
         pl = self.plan(kind)
         tr = self.codec._transform
         k = pl.components
         with _on(self.prep):
-            if part != 1:
-                cols, dtype = tr.coefficient_columns(k), torch.float8_e4m3fn if tr.fp8 else tr.coefficient_dtype
-                self.coeffs[kind] = torch.zeros((self.n, cols), dtype=dtype, device=self.device)
-                self._used_on_main(self.coeffs[kind])
-            groups = None
-            if part is not None:
-                self._first_blocks()
-                c = self.keep["counts"]
-                groups = [(0, x) for x in c] if part == 0 else [(x, b.columns.shape[0]) for x, b in zip(c, pl.buckets)]
+            cols, dtype = tr.coefficient_columns(k), torch.float8_e4m3fn if tr.fp8 else tr.coefficient_dtype
+            self.coeffs[kind] = torch.zeros((self.n, cols), dtype=dtype, device=self.device)
+            self._used_on_main(self.coeffs[kind])
             scale = tr.fp8_column_scale(kind, 0, k) if tr.fp8 else None
-            self.codec._quantizer.dequantize(
-                f"{kind}.0", self.secs, pl, self.coeffs[kind], self.header.packing, scale, groups
-            )
+            self.codec._quantizer.dequantize(f"{kind}.0", self.secs, pl, self.coeffs[kind], self.header.packing, scale)
         return self.coeffs[kind], pl
 
     def ready(self) -> None:
@@ -298,16 +239,9 @@ def _targets(full: torch.Tensor, s: int, w: int, m: int, dt: torch.dtype, tr: An
     return [torch.empty((B * m, full[0, 0].numel()), dtype=tr.out_dtype, device=full.device)], False
 
 
-def _project(job: _Job, kind: str, part: int | None, targets: list, columns: tuple[int, int] | None = None) -> None:
-    """Queue the product of ``kind``'s coefficients into ``targets``: all of it (``part`` None), the keys' first
-    components (0) or the rest added (1)."""
-    tr, c, k = job.codec._transform, job.coeffs[kind], job.plan(kind).components
-    if part is None:
-        tr.reconstruct(kind, 0, c, k, targets, columns=columns)
-    elif part == 0:
-        tr.reconstruct(kind, 0, c[:, : job.cut], job.cut, targets, columns=columns)
-    else:
-        tr.reconstruct_add(kind, 0, c, job.cut, k, targets, columns=columns)
+def _project(job: _Job, kind: str, targets: list, columns: tuple[int, int] | None = None) -> None:
+    """Queue the product of ``kind``'s coefficients into ``targets``."""
+    job.codec._transform.reconstruct(kind, 0, job.coeffs[kind], job.plan(kind).components, targets, columns=columns)
 
 
 def decode(codec: Any, blob: Any, timings: dict[str, float] | None = None) -> KVSlice | None:
@@ -327,15 +261,9 @@ def decode(codec: Any, blob: Any, timings: dict[str, float] | None = None) -> KV
     s, w = h.protected
     dt = DTYPES[lay.dtype]
     shape = (B, T, len(lay.layers), len(lay.heads), lay.head_dim)
-    # (phase, kind, part): what the prep stream decodes, then what the current stream projects
-    steps: list[tuple[str, str, int | None]] = [("keys", "keys", None)]
-    if job.cut is not None:
-        steps = [("keys1", "keys", 0), ("keys2", "keys", 1)]
-    steps += [("rest", "", None), ("values", "values", None)]
     out = {kind: torch.empty(shape, dtype=dt, device=dev) for kind in KINDS}
-    targets: dict[str, tuple[list, bool]] = {}
     t_first = None
-    for phase, kind, part in steps:
+    for phase, kind in _PHASES:  # what the prep stream decodes, then what the current stream projects
         job.stage(phase)
         if phase == "rest":  # protected tokens: rows the products do not write
             job.ready()
@@ -345,16 +273,15 @@ def decode(codec: Any, blob: Any, timings: dict[str, float] | None = None) -> KV
                 out[k][:, T - w :] = prot[:, s:]
             ev.mark("rest")
             continue
-        job.coefficients(kind, part)
+        job.coefficients(kind)
         job.ready()
         if t_first is None:
             t_first = time.perf_counter()
         ev.mark(f"wait.{phase}")
-        if kind not in targets:
-            targets[kind] = _targets(out[kind], s, w, m, dt, tr)
-        _project(job, kind, part, targets[kind][0])
-        if part != 0 and not targets[kind][1]:
-            out[kind][:, s : T - w] = targets.pop(kind)[0][0].to(dt).reshape(B, m, *shape[2:])
+        targets, direct = _targets(out[kind], s, w, m, dt, tr)
+        _project(job, kind, targets)
+        if not direct:
+            out[kind][:, s : T - w] = targets[0].to(dt).reshape(B, m, *shape[2:])
         ev.mark(f"project.{phase}")
     positions = section_tensor(job.secs["positions"], torch.int64, (B, T), dev)
     t_queued = time.perf_counter()
@@ -398,12 +325,7 @@ def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     if job.prep is not None:
         job.prep.wait_stream(job.main)
     full = {kind: [torch.empty((B, T, *hd), dtype=dt, device=dev) for _ in lay.layers] for kind in KINDS}
-    steps: list[tuple[str, str, int | None]] = [("keys", "keys", None)]
-    if job.cut is not None:
-        steps = [("keys1", "keys", 0), ("keys2", "keys", 1)]
-    steps += [("rest", "", None), ("values", "values", None)]
-    targets: dict[str, list] = {}
-    for phase, kind, part in steps:
+    for phase, kind in _PHASES:
         job.stage(phase)
         if phase == "rest":
             job.ready()
@@ -413,16 +335,14 @@ def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
                     f[:, :s] = prot[:, :s, li]
                     f[:, T - w :] = prot[:, s:, li]
             continue
-        job.coefficients(kind, part)
+        job.coefficients(kind)
         job.ready()
-        if kind not in targets:
-            targets[kind] = [_targets(f, s, w, m, dt, tr) for f in full[kind]]
-        for li, (tg, _) in enumerate(targets[kind]):
-            _project(job, kind, part, tg, columns=(li * width, (li + 1) * width))
-        if part != 0:
-            for f, (tg, direct) in zip(full[kind], targets.pop(kind)):
-                if not direct:
-                    f[:, s : T - w] = tg[0].to(dt).reshape(B, m, *hd)
+        targets = [_targets(f, s, w, m, dt, tr) for f in full[kind]]
+        for li, (tg, _) in enumerate(targets):
+            _project(job, kind, tg, columns=(li * width, (li + 1) * width))
+        for f, (tg, direct) in zip(full[kind], targets):
+            if not direct:
+                f[:, s : T - w] = tg[0].to(dt).reshape(B, m, *hd)
     with _on(job.prep):
         job.flag_ready()
     job.check()  # every section's checksum and entropy block, before anything is handed out
@@ -430,4 +350,4 @@ def _layers(job: _Job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         yield layer, full["keys"][li], full["values"][li]
 
 
-__all__ = ["DIRECT_MIN_TOKENS", "SPLIT_FIRST", "SPLIT_MIN_MACS", "decode", "decode_layers"]
+__all__ = ["DIRECT_MIN_TOKENS", "decode", "decode_layers"]

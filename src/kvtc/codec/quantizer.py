@@ -99,19 +99,6 @@ class PlanLayout:
             )
         return cls(plan, plan.kept_components, len(kept), prows, {t: n for t, n in plane_sizes.items() if n}, buckets)
 
-    def split(self, first: int) -> tuple[dict[int | None, int], list[int]]:
-        """The kept groups starting before component ``first``: the rows they take in the params stream (key
-        None) and in each type's plane (key: the type), and how many of each bucket's groups they are (a
-        bucket's groups are in component order, so they are its first ones). Rows of a stream are in component
-        order too: those groups' rows are a prefix of each stream."""
-        rows: dict[int | None, int] = {None: 0, **{t: 0 for t in self.plane_sizes}}
-        for start, size, t in self.plan.groups():
-            if t != DROP and start < first:
-                rows[None] += param_rows(t)
-                rows[t] += size
-        counts = [int((b.columns[:, 0] < first).sum()) for b in self.buckets]
-        return rows, counts
-
     def section_sizes(self, prefix: str, tokens: int, packing: str) -> dict[str, int]:
         """Raw bytes of each of the group's sections for ``tokens`` coded tokens, in blob order."""
         sizes = {f"{prefix}.params": self.param_rows * tokens * 2}
@@ -218,11 +205,9 @@ class Quantizer:
         coeffs: torch.Tensor,
         packing: str,
         col_scale: torch.Tensor | None = None,
-        groups: list[tuple[int, int]] | None = None,
     ) -> None:
         """Fused path: write the group's dequantized components into ``coeffs`` ``[n, columns]`` (see
-        :meth:`decode`). ``groups``: per bucket, the range of its groups to write (all by default; see
-        :meth:`PlanLayout.split`); the sections' rows they read must be decoded, the others need not be."""
+        :meth:`decode`)."""
         n = coeffs.shape[0]
         params = section_tensor(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n), self.device)
         planes = {
@@ -234,11 +219,10 @@ class Quantizer:
             )
             for t, c in pl.plane_sizes.items()
         }
-        for i, b in enumerate(pl.buckets):
-            starts = b.starts(self.device)
-            if groups is not None:
-                starts = tuple(x[groups[i][0] : groups[i][1]] for x in starts)
-            kernels.unpack_dequantize(coeffs, *starts, b.qtype, b.size, params, planes[b.qtype], packing, col_scale)
+        for b in pl.buckets:
+            kernels.unpack_dequantize(
+                coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale
+            )
 
 
 def plan_layouts(calibration: Any, ratio: float) -> dict[str, list[PlanLayout]]:

@@ -203,32 +203,6 @@ class PCATransform:
             return self._reconstruct_fp8(kind, g, k, coeffs, mean[c0:c1], (q[:, c0:c1], scale[:, c0:c1]), out)
         return self._addmm(coeffs, mean[c0:c1], basis[:, c0:c1], out)
 
-    def reconstruct_add(
-        self,
-        kind: str,
-        g: int,
-        coeffs: torch.Tensor,
-        first: int,
-        k: int,
-        out: list[torch.Tensor],
-        columns: tuple[int, int] | None = None,
-    ) -> None:
-        """Add the product of components ``[first, k)`` (``coeffs``' columns ``first..k-1``) to ``out``: the
-        second part of a reconstruction whose first part :meth:`reconstruct` wrote from the components before
-        ``first`` (``out`` and ``columns`` as there). fp32 and bf16 only (an fp8 product takes no accumulator);
-        bf16 rounds the first part's sums once more (about 2^-9 of each value)."""
-        if self.fp8:
-            raise ValueError("an fp8 reconstruction runs in one product")
-        _, basis = self.basis(kind, g, k, decode=True)
-        c0, c1 = columns if columns is not None else (0, basis.shape[1])
-        a, b = coeffs[:, first:k], basis[first:k, c0:c1]
-        a = a.to(torch.bfloat16) if self.bf16 else a
-        r0 = 0
-        with _no_tf32():
-            for o in out:
-                o.addmm_(a[r0 : r0 + o.shape[0]], b)
-                r0 += o.shape[0]
-
     def reconstruct_columns(
         self, kind: str, g: int, coeffs: torch.Tensor, k: int, columns: torch.Tensor
     ) -> torch.Tensor:
