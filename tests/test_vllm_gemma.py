@@ -28,7 +28,8 @@ try:
 except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLLM here"
     pytest.skip(f"vLLM is not importable ({e!r})", allow_module_level=True)
 
-from test_vllm_connector import NEAR_TIE_NATS, _divergences, _run, _tokens  # noqa: E402
+from greedy_ties import NEAR_TIE_NATS, divergences  # noqa: E402
+from test_vllm_connector import _run, _tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -84,5 +85,5 @@ def test_concurrent_requests_share_one_restore(runs):
     outputs part from the baseline at most at near ties (another batch shape, see the module docstring)."""
     again = runs["restore"]["again_concurrent"]
     assert [r["cached"] for r in again] == [PREFIX] * PROMPTS
-    parted = _divergences(runs["baseline"]["requests"], again)
+    parted = divergences(runs["baseline"]["requests"], again)
     assert all(gap <= NEAR_TIE_NATS for _, _, gap in parted), parted
