@@ -4,8 +4,8 @@ Every input goes through ``container.read_header``, ``Codec.inspect``, ``Codec(c
 ``Codec(calibration).decode_layers`` and ``Codec.identity().decode``. Properties checked per input:
 
 * only :class:`kvtc.errors.KVTCError` subclasses escape (anything else is a bug);
-* the input finishes in under ``TIME_LIMIT_S`` (1 s) in each entry point (the summary also reports the
-  slowest input over all five together);
+* the input finishes in under ``TIME_LIMIT_S`` (1 s) in each entry point, timed without the allocation
+  tracer (the summary also reports the slowest input over all five together);
 * allocation stays under a bound computed from the *validated* header (see :func:`alloc_bounds`):
   traced Python/numpy allocation (``tracemalloc``) for every input, and peak-RSS growth (Linux
   ``/proc/self/clear_refs`` + ``VmHWM``, which also sees torch's allocator) for inputs whose header
@@ -209,6 +209,10 @@ def check_input(data: bytes, measure_rss: bool = True, all_targets: bool = True)
     out = Outcome(
         results, header is not None, slowest, seconds, py_peak, py_bound, rss_growth, rss_bound if rss0 else None
     )
+    if slowest > TIME_LIMIT_S and not tracing:
+        # tracemalloc slows Python-heavy parsing several-fold (a header with 100,000 layers: 0.12 s -> 0.7 s),
+        # so what the limit is about, the code's own time, is measured again with the tracer off
+        slowest = _untraced_slowest(kv, data)
     if slowest > TIME_LIMIT_S:
         raise FuzzFailure("slow", f"{slowest:.3f} s > {TIME_LIMIT_S} s in one entry point; results {results}", data)
     if py_peak > py_bound:
@@ -216,6 +220,19 @@ def check_input(data: bytes, measure_rss: bool = True, all_targets: bool = True)
     if rss_growth is not None and rss_growth > rss_bound:  # type: ignore[operator]
         raise FuzzFailure("alloc", f"peak RSS grew {rss_growth} B > bound {rss_bound} B; results {results}", data)
     return out
+
+
+def _untraced_slowest(kv: dict[str, Any], data: bytes) -> float:
+    """The slowest entry point's seconds on ``data`` with no allocation tracer running."""
+    slowest = 0.0
+    for _, fn in kv["targets"]:
+        t1 = time.perf_counter()
+        try:
+            fn(data)
+        except kv["KVTCError"]:
+            pass
+        slowest = max(slowest, time.perf_counter() - t1)
+    return slowest
 
 
 def one_input(data: bytes) -> None:
