@@ -3,7 +3,10 @@
 A :class:`Recipe` holds what :func:`~kvtc.calibration.fit.fit_calibration` (PCA and bit plans) and
 :func:`~kvtc.integrations.hf_calibrate.calibrate_model` (corpus sampling, sensitivity measurement) decide; the
 data they work on (rows, model, texts, RoPE, model id, corpus notes) is passed beside it. Two calibrations of equal
-recipes on the same data are the same calibration: same tensors, same plans, same content hash.
+recipes on the same data, built on the same kind of CPU with the same software, are the same calibration: same
+tensors, same plans, same content hash. Across CPUs the float reductions of the model's forward pass and of the PCA
+differ in the last bits, so an independently rebuilt calibration has another content hash and does not decode
+blobs the first one encoded (``CalibrationMismatch``): copy the calibration file instead.
 
 The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r8`` is ``Recipe()``,
 ``r8u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
