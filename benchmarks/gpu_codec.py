@@ -18,7 +18,7 @@ Per case and projection precision (bf16, fp8):
 * decompress: blob in pinned host memory -> KV slice on the GPU (two overlapped phases, CRC-32s on host threads
   checked before the slice is returned); also from a plain ``bytes`` blob (staged through pinned memory).
 * the fp8 reconstruction's error against the bf16 one's, and each against the original KV.
-* TTFT: blob in pinned host memory -> ``decode_layers`` handing each layer to the cache as it is computed (RoPE
+* TTFT: blob in pinned host memory -> ``decode_layers`` handing each layer to the cache while it is computed (RoPE
   re-applied, fused kernel) -> one decoding step, against recomputing the prefill of the same 8,192-token
   prefixes (both end with the first new token); also via the whole-cache ``decode`` then ``rebuild_cache``. In the
   random case the restore is also made lossless (identity codec, float32 slice) on 2 of the sequences: its first

@@ -263,6 +263,31 @@ def test_rebuild_cache_on_gpu_equals_cpu_rebuild():
         assert (kg.float() - cache.layers[li].keys.float()).abs().max() <= 2**-6 * kc.float().abs().max()
 
 
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])
+def test_layer_by_layer_rebuild_on_gpu_equals_whole_rebuild(name):
+    """rebuild_cache_from_layers on CUDA (RoPE tables made once, before the first layer; one rotary kind, or a
+    local and a global one with sliding layers) gives rebuild_cache's cache bit for bit."""
+    _kernels()
+    pytest.importorskip("transformers")
+    import tiny_models
+    from kvtc.integrations.hf import extract_slice, rebuild_cache, rebuild_cache_from_layers
+
+    model = tiny_models.build(name, dtype=torch.bfloat16).cuda()
+    ids = torch.randint(3, tiny_models.VOCAB, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    kv = extract_slice(cache, model)
+    whole = rebuild_cache(kv, model)
+    views = ((li, kv.keys[:, :, i], kv.values[:, :, i]) for i, li in enumerate(kv.layout.layers))
+    layered = rebuild_cache_from_layers(views, kv.positions, model)
+    for li in kv.layout.layers:
+        assert layered.layers[li].keys.is_cuda
+        assert torch.equal(layered.layers[li].keys, whole.layers[li].keys)
+        assert torch.equal(layered.layers[li].values, whole.layers[li].values)
+        held = cache.layers[li].keys
+        assert (whole.layers[li].keys.float() - held.float()).abs().max() <= 2**-6 * held.float().abs().max()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_restore_path_layers_and_blob_forms_agree(setup, precision):
     """The overlapped restore (huff4k, one PCA group): decode from pinned memory, from bytes and layer by layer give

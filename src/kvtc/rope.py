@@ -191,50 +191,66 @@ class RopeSpec:
         return self._rotate_all(keys, positions, layers, inverse=False)
 
     def apply_to_heads(
-        self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int], dtype: torch.dtype | None = None
+        self,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        layers: Sequence[int],
+        dtype: torch.dtype | None = None,
+        tables: Any = None,
     ) -> torch.Tensor:
         """:meth:`apply`, returned as ``[len(layers), batch, heads, tokens, head_dim]`` in ``dtype`` (default: the
         keys'): ``out[i]`` is layer ``i``'s contiguous ``[B, H, T, D]``, the layout Hugging Face caches use.
 
         On CUDA with the fused kernels (half-split pairs, one rotary width) this is one pass over the keys
-        (:mod:`kvtc.kernels.triton_rope`); elsewhere :meth:`apply` followed by a permute.
+        (:mod:`kvtc.kernels.triton_rope`); elsewhere :meth:`apply` followed by a permute. ``tables``:
+        :meth:`head_tables` of these ``positions`` for these layers or more, made once for layer-by-layer calls.
         """
         layers = tuple(layers)
         dtype = dtype or keys.dtype
         self._check_keys(keys, positions, layers)
-        if keys.is_cuda and not self.interleaved and keys.dtype != torch.float64:
-            from . import kernels
+        if keys.is_cuda and keys.dtype != torch.float64:
+            usable = tables is not None and tables.fits(keys.device, positions, layers)
+            tables = tables if usable else self.head_tables(positions.to(keys.device), layers)
+            if tables is not None:
+                from . import kernels
 
-            widths = {k.rotary_dim for k in map(self.kind_of, layers) if k is not None and k.rotary_dim}
-            d = self.head_dim
-            if kernels.available(keys.device) and len(widths) <= 1 and not d & (d - 1):
-                positions = positions.to(keys.device)
-                names: list[str] = []
-                cs: list[tuple[torch.Tensor, torch.Tensor]] = []
-                index = []
-                for layer in layers:
-                    kind = self.kind_of(layer)
-                    if kind is None or not kind.rotary_dim:
-                        index.append(-1)
-                        continue
-                    if kind.name not in names:
-                        c, s = _compact_cos_sin(kind, positions, torch.float32)
-                        names.append(kind.name)
-                        cs.append((c * kind.attention_scaling, s * kind.attention_scaling))
-                    index.append(names.index(kind.name))
-                r = widths.pop() if widths else 2
-                if not cs:
-                    z = torch.zeros((1, *keys.shape[:2], r // 2), device=keys.device)
-                    cs = [(z, z)]
                 return kernels.rope_to_heads(
-                    keys,
-                    torch.stack([c for c, _ in cs]),
-                    torch.stack([s for _, s in cs]),
-                    torch.tensor(index, dtype=torch.int32),
-                    r,
-                    dtype,
+                    keys, tables.cos, tables.sin, tables.kinds(layers), tables.rotary_dim, dtype
                 )
         return self.apply(keys, positions, layers).to(dtype).permute(2, 0, 3, 1, 4).contiguous()
+
+    def head_tables(self, positions: torch.Tensor, layers: Sequence[int]) -> Any:
+        """The cos / sin tables (:class:`~kvtc.kernels.triton_rope.RopeTables`) of :meth:`apply_to_heads`' fused
+        pass for ``layers`` at ``positions`` (on their device), or None where that pass does not apply (off CUDA,
+        interleaved pairs, several rotary widths, a head_dim that is not a power of two). Making them reads the
+        positions back (a device sync): made once before a layer-by-layer restore starts, the per-layer calls wait
+        for nothing."""
+        from . import kernels
+
+        layers = tuple(layers)
+        widths = {k.rotary_dim for k in map(self.kind_of, layers) if k is not None and k.rotary_dim}
+        d = self.head_dim
+        if self.interleaved or len(widths) > 1 or d & (d - 1) or not kernels.available(positions.device):
+            return None
+        names: list[str] = []
+        cs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        index = {}
+        for layer in layers:
+            kind = self.kind_of(layer)
+            if kind is None or not kind.rotary_dim:
+                index[layer] = -1
+                continue
+            if kind.name not in names:
+                c, s = _compact_cos_sin(kind, positions, torch.float32)
+                names.append(kind.name)
+                cs.append((c * kind.attention_scaling, s * kind.attention_scaling))
+            index[layer] = names.index(kind.name)
+        r = widths.pop() if widths else 2
+        if not cs:
+            z = torch.zeros((1, *positions.shape, r // 2), device=positions.device)
+            cs = [(z, z)]
+        cos, sin = torch.stack([c for c, _ in cs]), torch.stack([s for _, s in cs])
+        return kernels.RopeTables(cos.contiguous(), sin.contiguous(), index, r, tuple(positions.shape))
 
     def invert(self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Undo :meth:`apply`: rotate by ``-θ`` and divide by the attention scaling. Same shapes as :meth:`apply`."""

@@ -5,7 +5,7 @@ Encode, per sequence: the ``sinks`` oldest and ``window`` newest tokens are stor
 quantized by the bit plan and packed into component-major planes (:class:`~kvtc.codec.quantizer.Quantizer`), and
 entropy coded into the container (:mod:`kvtc.codec.entropy`, :mod:`kvtc.codec.container`). Decode reverses it;
 :meth:`Codec.decode_layers` yields one layer at a time so an engine can start on layer 0 before the rest is
-reconstructed.
+reconstructed (on the GPU path: while the products are still running).
 
 Sections of a ``kvtc`` blob, in order: ``positions`` (int64 ``[B, T]``), ``raw.keys`` and ``raw.values``
 (protected tokens ``[B, s+w, L, H, D]`` in the slice dtype), then for ``kind`` in keys, values and PCA group

@@ -184,24 +184,16 @@ class PCATransform:
             return (x.float() - mean) @ basis.T
 
     def reconstruct(
-        self,
-        kind: str,
-        g: int,
-        coeffs: torch.Tensor,
-        k: int,
-        out: list[torch.Tensor] | None = None,
-        columns: tuple[int, int] | None = None,
+        self, kind: str, g: int, coeffs: torch.Tensor, k: int, out: list[torch.Tensor] | None = None
     ) -> torch.Tensor | None:
         """``coeffs @ basis + µ`` of group ``g``'s first ``k`` components, in :attr:`out_dtype`. ``out``:
         ``[rows, features]`` tensors of :attr:`out_dtype` that take consecutive blocks of the rows (then None is
-        returned). ``columns``: ``(first, end)``, only those feature columns (one layer's, say). For ``fp8``,
-        ``coeffs`` may be the E4M3 operand itself (already times :meth:`fp8_column_scale`)."""
+        returned). For ``fp8``, ``coeffs`` may be the E4M3 operand itself (already times
+        :meth:`fp8_column_scale`)."""
         mean, basis = self.basis(kind, g, k, decode=True)
-        c0, c1 = columns if columns is not None else (0, mean.shape[0])
         if self.fp8:
-            q, scale = self.fp8_basis(kind, g, k, True)
-            return self._reconstruct_fp8(kind, g, k, coeffs, mean[c0:c1], (q[:, c0:c1], scale[:, c0:c1]), out)
-        return self._addmm(coeffs, mean[c0:c1], basis[:, c0:c1], out)
+            return self._reconstruct_fp8(kind, g, k, coeffs, mean, self.fp8_basis(kind, g, k, True), out)
+        return self._addmm(coeffs, mean, basis, out)
 
     def reconstruct_columns(
         self, kind: str, g: int, coeffs: torch.Tensor, k: int, columns: torch.Tensor

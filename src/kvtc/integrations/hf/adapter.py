@@ -206,13 +206,20 @@ class ModelAdapter:
         lay = self.layout
         cache = DynamicCache(config=self.config)
         seen = []
+        pos, tables = None, None
+        if model is not None:  # the RoPE tables, before the first layer is asked for (their making syncs the device)
+            pos = positions.to(model.device)
+            tables = self.rope.head_tables(pos, lay.layers) if pos.is_cuda else None
         for li, k, v in layers:
             if li not in lay.layers or li in seen or k.dim() != 4 or k.shape != v.shape:
                 raise LayoutError(f"layer {li} with keys {tuple(k.shape)} does not fit {_shape(lay)} (or came twice)")
             seen.append(li)
             dtype = model.dtype if model is not None else k.dtype
             device = model.device if model is not None else k.device
-            keys = self.rope.apply_to_heads(k.unsqueeze(2).to(device), positions.to(device), (li,), dtype)[0]
+            if pos is None or pos.device != device:
+                pos = positions.to(device)
+                tables = self.rope.head_tables(pos, lay.layers) if pos.is_cuda else None
+            keys = self.rope.apply_to_heads(k.unsqueeze(2).to(device), pos, (li,), dtype, tables)[0]
             values = v.to(device=device, dtype=dtype).transpose(1, 2).contiguous()
             keys = keys.clone() if _shares_storage(keys, k) else keys
             values = values.clone() if _shares_storage(values, v) else values
