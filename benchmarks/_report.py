@@ -104,6 +104,14 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 ROUNDTRIP_KEYS = ("ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")
 
 
+def roundtrip_cells(r: dict[str, Any]) -> str:
+    """A round trip's :data:`ROUNDTRIP_KEYS` figures as the cells that end a markdown table row."""
+    return (
+        f"{r['ratio']:.2f}× | {r['delta_ppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1_agreement']:.3f} | "
+        f"{r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |"
+    )
+
+
 def roundtrip_rows(
     model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int
 ) -> list[tuple[str, Any, dict[str, Any]]]:

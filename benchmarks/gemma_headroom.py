@@ -236,11 +236,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["decoder"]:
-        lines.append(
-            f"| {TEXTS[r['text']]} | {r['target']:g}× | {STUDIES[r['study']]} | {r['ratio']:.2f}× | "
-            f"{r['delta_ppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1_agreement']:.3f} | {r['k_rel_error']:.3f} | "
-            f"{r['v_rel_error']:.3f} |"
-        )
+        lines.append(f"| {TEXTS[r['text']]} | {r['target']:g}× | {STUDIES[r['study']]} | " + _report.roundtrip_cells(r))
     lines += ["", "Result: `benchmarks/results/gemma_headroom.json`."]
     return "\n".join(lines)
 

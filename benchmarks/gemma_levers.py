@@ -96,13 +96,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _figures(r: dict) -> str:
-    return (
-        f"{r['ratio']:.2f}× | {r['delta_ppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1_agreement']:.3f} | "
-        f"{r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |"
-    )
-
-
 def markdown(result: dict) -> str:
     head = "| ratio | Δppl | KL(exact‖lossy) | top-1 agree | K rel. err | V rel. err |"
     lines = [
@@ -118,7 +111,7 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         if r["study"] == "types":
-            lines.append(f"| {TEXTS[r['text']]} | {r['variant']} | {r['target']:g}× | " + _figures(r))
+            lines.append(f"| {TEXTS[r['text']]} | {r['variant']} | {r['target']:g}× | " + _report.roundtrip_cells(r))
     lines += [
         "",
         f"Kinds of layer: the default calibration ({result['calibration']}), each kind coded with the plan of "
@@ -131,7 +124,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         if r["study"] == "mix":
             lines.append(
-                f"| {TEXTS[r['text']]} | {r['target']:g}× | {r['full']:g}× | {r['sliding']:g}× | " + _figures(r)
+                f"| {TEXTS[r['text']]} | {r['target']:g}× | {r['full']:g}× | {r['sliding']:g}× | "
+                + _report.roundtrip_cells(r)
             )
     lines += ["", "Result: `benchmarks/results/gemma_levers.json`."]
     return "\n".join(lines)
