@@ -381,7 +381,8 @@ class Codec:
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(real layer index, keys, values)`` with keys/values ``[B, T, heads, head_dim]`` on ``device``
         (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
-        layer's basis columns only. A sliding-window layer's tokens older than those it holds are zero."""
+        layer's basis columns only (the GPU path: views of :meth:`decode`'s output, handed over while its products
+        run). A sliding-window layer's tokens older than those it holds are zero."""
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
         if self._fused and out_dev == self.device:
             fast = gpu_decode.decode_layers(self, blob)
