@@ -203,7 +203,8 @@ class RopeSpec:
 
         On CUDA with the fused kernels (half-split pairs, one rotary width) this is one pass over the keys
         (:mod:`kvtc.kernels.triton_rope`); elsewhere :meth:`apply` followed by a permute. ``tables``:
-        :meth:`head_tables` of these ``positions`` for these layers or more, made once for layer-by-layer calls.
+        :meth:`head_tables` made from this very ``positions`` tensor for these layers or more, once for layer-by-layer
+        calls (others are not used: the tables are made here).
         """
         layers = tuple(layers)
         dtype = dtype or keys.dtype
@@ -250,7 +251,7 @@ class RopeSpec:
             z = torch.zeros((1, *positions.shape, r // 2), device=positions.device)
             cs = [(z, z)]
         cos, sin = torch.stack([c for c, _ in cs]), torch.stack([s for _, s in cs])
-        return kernels.RopeTables(cos.contiguous(), sin.contiguous(), index, r, tuple(positions.shape))
+        return kernels.rope_tables(cos.contiguous(), sin.contiguous(), index, r, positions)
 
     def invert(self, keys: torch.Tensor, positions: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
         """Undo :meth:`apply`: rotate by ``-θ`` and divide by the attention scaling. Same shapes as :meth:`apply`."""

@@ -60,12 +60,18 @@ def rope_to_heads(*args, **kwargs):  # noqa: D103 - documented in triton_rope
     return f(*args, **kwargs)
 
 
-__all__ = ["available", "quantize_pack", "region_crcs", "rope_to_heads", "rows_to_fp8", "unpack_dequantize"]
+def rope_tables(*args, **kwargs):  # noqa: D103 - documented in triton_rope (RopeTables)
+    from .triton_rope import RopeTables as f
+
+    return f(*args, **kwargs)
 
 
-def __getattr__(name: str):  # RopeTables, without importing Triton before it is asked for
-    if name == "RopeTables":
-        from .triton_rope import RopeTables
-
-        return RopeTables
-    raise AttributeError(name)
+__all__ = [
+    "available",
+    "quantize_pack",
+    "region_crcs",
+    "rope_tables",
+    "rope_to_heads",
+    "rows_to_fp8",
+    "unpack_dequantize",
+]

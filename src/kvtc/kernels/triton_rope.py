@@ -19,15 +19,18 @@ BLOCK_T = 32
 
 class RopeTables:
     """:meth:`kvtc.rope.RopeSpec.head_tables`: float32 ``cos`` / ``sin`` ``[kinds, batch, tokens, rotary_dim / 2]`` and each
-    layer's index into them (-1: no RoPE), for positions of one shape on ``cos``'s device."""
+    layer's index into them (-1: no RoPE), made from one positions tensor on ``cos``'s device."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, index: dict[int, int], rotary_dim: int, shape: tuple):
-        self.cos, self.sin, self.index, self.rotary_dim, self.shape = cos, sin, index, rotary_dim, shape
+    def __init__(
+        self, cos: torch.Tensor, sin: torch.Tensor, index: dict[int, int], rotary_dim: int, positions: torch.Tensor
+    ):
+        self.cos, self.sin, self.index, self.rotary_dim = cos, sin, index, rotary_dim
+        self.positions = positions  # the very tensor they were made from: fits() asks for it, not for its copy
         # each layer's own index tensor, made now: a per-layer call copies nothing to the device (no sync)
         self._one = {li: torch.tensor([i], dtype=torch.int32, device=cos.device) for li, i in index.items()}
 
     def fits(self, device: torch.device, positions: torch.Tensor, layers: tuple[int, ...]) -> bool:
-        return device == self.cos.device and tuple(positions.shape) == self.shape and set(layers) <= set(self.index)
+        return positions is self.positions and device == self.cos.device and set(layers) <= set(self.index)
 
     def kinds(self, layers: tuple[int, ...]) -> torch.Tensor:
         if len(layers) == 1:
