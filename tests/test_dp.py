@@ -25,11 +25,17 @@ SIZES = (1, 2, 4)
 TYPES = (INT2, INT4, FP8)
 
 
-def brute_force(coeffs: torch.Tensor, budget: float) -> float:
-    """Least error over every aligned partition of the k components into typed groups."""
+def brute_force(coeffs: torch.Tensor, budget: float, coded: bool = False) -> float:
+    """Least error over every aligned partition of the k components into typed groups, each group costing its
+    packed bits or (``coded``) its expected stored bits rounded up to whole bits."""
     k = coeffs.shape[1]
-    drop, errs = candidate_errors(coeffs, SIZES, TYPES, clips={})  # each group at its best clip, as the DP
+    costs: dict = {}
+    # each group at its best clip, as the DP
+    drop, errs = candidate_errors(coeffs, SIZES, TYPES, clips={}, costs=costs if coded else None)
     best = math.inf
+
+    def cost(g: int, t: int, j: int) -> int:
+        return math.ceil(float(costs[(g, t)][j // g]) - 1e-9) if coded else group_bits(g, t)
 
     def rec(j: int, bits: int, err: float) -> None:
         nonlocal best
@@ -42,23 +48,31 @@ def brute_force(coeffs: torch.Tensor, budget: float) -> float:
         for g in SIZES:
             if j % g == 0 and j + g <= k:
                 for t in TYPES:
-                    rec(j + g, bits + group_bits(g, t), err + float(errs[(g, t)][j // g]))
+                    rec(j + g, bits + cost(g, t, j), err + float(errs[(g, t)][j // g]))
 
     rec(0, 0, 0.0)
     return best
 
 
-def test_dp_matches_exhaustive_search_on_random_instances():
+@pytest.mark.parametrize("rate", ["nominal", "coded"])
+def test_dp_matches_exhaustive_search_on_random_instances(rate):
+    coded = rate == "coded"
     rnd = random.Random(0)
     for trial in range(60):
         k = rnd.randint(1, 8)
-        n = rnd.randint(2, 12)
+        n = rnd.randint(2, 40 if coded else 12)
         scale = torch.tensor([rnd.uniform(0.01, 10) for _ in range(k)])
-        coeffs = torch.randn(n, k, generator=torch.Generator().manual_seed(trial)) * scale
+        gen = torch.Generator().manual_seed(trial)
+        # coded: Laplacian rows, whose symbols are far from uniform, so coded and packed costs differ
+        if coded:
+            rows = torch.rand(n, k, generator=gen).sub(0.5).sign() * torch.rand(n, k, generator=gen).log().neg()
+        else:
+            rows = torch.randn(n, k, generator=gen)
+        coeffs = rows * scale
         budget = rnd.randint(0, 40 * k)
-        plan = allocate(coeffs, budget, sizes=SIZES, types=TYPES)
-        want = brute_force(coeffs, budget)
-        assert plan.bits_per_token <= budget
+        plan = allocate(coeffs, budget, sizes=SIZES, types=TYPES, rate=rate)
+        want = brute_force(coeffs, budget, coded=coded)
+        assert (plan.meta["coded_bits"] if coded else plan.bits_per_token) <= budget
         assert plan.predicted_error == pytest.approx(want, rel=1e-12, abs=1e-12), (trial, k, budget)
         # the plan's groups really give that error
         assert _measure(coeffs, plan) == pytest.approx(want, rel=1e-9, abs=1e-12)
@@ -231,3 +245,59 @@ def test_joint_kv_split_spends_the_shared_budget_where_the_weighted_error_is_lea
         assert objective(cals["joint"]) < 0.95 * objective(cals["equal"])
     with pytest.raises(CalibrationError):
         fit_calibration(layout, [(keys, values)], Recipe(ratios=(8,), kv_split="halves"))
+
+
+def test_coded_bits_are_each_components_symbol_entropy_plus_its_params():
+    from kvtc.quant import INT2S, INT4S, PARAM_BITS, coded_bits
+
+    n = 64
+    col0 = torch.full((n,), 3.0)  # one symbol: 0 bits
+    col1 = torch.tensor([1.0, -1.0] * (n // 2))  # two symbols, equally often: 1 bit (+ Miller-Madow 1/(2n ln 2))
+    col2 = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x = torch.stack([col0, col1, col2, col2], 1).reshape(n, 1, 4)
+    bits = coded_bits(x, INT4S)
+    sym, _, _ = quantize(x, INT4S)
+    want = PARAM_BITS
+    for c in range(4):
+        _, counts = torch.unique(sym[:, 0, c], return_counts=True)
+        prob = counts.double() / n
+        want += min(float(-(prob * prob.log2()).sum()) + (len(counts) - 1) / (2 * n * math.log(2)), 4.0)
+    assert float(bits[0]) == pytest.approx(want, rel=1e-9)
+    # each column's share: a constant's symbols cost nothing, a sign pattern one bit
+    one = coded_bits(torch.stack([col0, col1], 1).reshape(n, 2, 1), INT2S)
+    assert float(one[0]) == pytest.approx(PARAM_BITS, abs=1e-9)
+    assert float(one[1]) == pytest.approx(PARAM_BITS + 1 + 1 / (2 * n * math.log(2)), rel=1e-9)
+    # never above the packed width: uniform symbols of many levels on few rows
+    wide = coded_bits(torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1)), FP8)
+    assert bool((wide <= group_bits(16, FP8) + 1e-9).all())
+
+
+def test_coded_rate_calibration_stores_its_target_and_spends_the_coders_gain_on_error():
+    """A nominal plan stores well above its target (the entropy coder's gain comes on top); a coded-rate plan
+    of the same target stores about the target, and its error is lower."""
+    from kvtc import KVLayout, KVSlice
+    from kvtc.calibration import Recipe, fit_calibration
+    from kvtc.codec import Codec
+
+    layout = KVLayout(layers=(0, 1, 2, 3), num_kv_heads=2, head_dim=32, dtype="float32")
+    p, n = layout.num_features, 2048
+    g = torch.Generator().manual_seed(12)
+    q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
+    lap = torch.distributions.Laplace(0.0, 1.0).sample((2 * n, p))
+    x = (lap * torch.logspace(1, -3, p)) @ q.T + 2.0
+    fit, held = x[:n], x[n:]
+    kv = KVSlice(layout, held.reshape(1, n, 4, 2, 32), held.reshape(1, n, 4, 2, 32), torch.arange(n)[None])
+    stored, errs = {}, {}
+    for rate in ("nominal", "coded"):
+        cal = fit_calibration(layout, [(fit, fit)], Recipe(ratios=(8, 16), rate=rate))
+        for r in (8, 16):
+            codec = Codec(cal, ratio=r, sinks=0, window=0)
+            blob = codec.encode(kv)
+            stored[rate, r] = 2 * n * p * 2 / len(blob)  # against bf16 keys and values
+            out = codec.decode(blob)
+            errs[rate, r] = float((out.keys.reshape(n, p) - held).square().sum())
+    for r in (8, 16):
+        assert stored["nominal", r] > 1.05 * r, stored
+        # the DP keeps CODED_HEADROOM (3%) for the positions, the header and its estimate's error
+        assert 0.97 * r <= stored["coded", r] < min(1.05 * r, stored["nominal", r]), stored
+        assert errs["coded", r] < errs["nominal", r], errs

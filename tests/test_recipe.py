@@ -195,6 +195,7 @@ def test_the_cli_builds_its_recipe_from_the_options():
     assert recipe("--sensitivity", "none").name == "r8u"
     assert recipe("--ratios", "8", "16").ratios == (8.0, 16.0) and recipe("--ratios", "8").name is None
     assert recipe("--types", "paper").name is None and recipe("--value-weight", "1").value_weight == 1.0
+    assert recipe("--rate", "coded").rate == "coded" and recipe("--rate", "coded").name is None
     with pytest.raises(CalibrationError, match="tokens"):
         recipe("--tokens", "-3")
 

@@ -24,7 +24,8 @@ may use is the DP's choice (``kvtc.calibration.dp.DEFAULT_TYPES``; the paper's s
 
 The functions below are the single definition of the quantizer: the bit allocator measures its errors with them
 and the codec encodes with them (the GPU kernels reproduce them bit for bit), so predicted and achieved errors
-agree.
+agree. :func:`coded_bits` estimates what a group's symbols cost once entropy coded (the
+bit allocator's ``rate="coded"``).
 
 Shapes: ``x`` is ``[tokens, groups, size]`` float32; symbols come back as uint8 of the same shape
 (intB: ``0..2^B-1``, fp8: the E4M3 bit pattern), shift and scale as float16 ``[tokens, groups]`` (a symmetric
@@ -32,6 +33,8 @@ type's shift is zero and is not stored).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -182,3 +185,20 @@ def best_clips(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]
         errs = torch.where(better, e, errs)
         clips[better] = c
     return clips, errs
+
+
+def coded_bits(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Expected stored bits per token of each group of ``x`` [rows, groups, size] quantized as ``qtype``: the
+    summed order-0 entropy of each component's symbols over the rows (Miller-Madow corrected, at most the type's
+    width) plus the group's fp16 range parameters at full width. ``[groups]`` float64."""
+    n, m, g = x.shape
+    sym, _, _ = quantize(x, qtype, clip)
+    levels = 256 if qtype in FP8_TYPES else 1 << TYPE_BITS[qtype]
+    comp = torch.arange(m * g, dtype=torch.long, device=sym.device).unsqueeze(1) * levels
+    idx = sym.reshape(n, m * g).T.long() + comp
+    counts = torch.bincount(idx.reshape(-1), minlength=m * g * levels).reshape(m * g, levels).double()
+    prob = counts / n
+    h = -(prob * torch.where(counts > 0, prob, 1.0).log2()).sum(1)
+    h = h + ((counts > 0).sum(1) - 1).double() / (2 * n * math.log(2))
+    h = h.clamp(max=float(TYPE_BITS[qtype]))
+    return h.reshape(m, g).sum(1) + PARAM_BITS * param_rows(qtype)

@@ -12,10 +12,16 @@ not an analytic model. Because the basis is orthonormal, that error equals the e
 every candidate group computable in one vectorized pass per (size, type) — ``O(rows · k)`` instead of
 ``O(rows · k · g)`` — and the DP is exact over that plan space (tests check it against brute force).
 
+**(ours) Coded rate.** With ``rate="coded"`` a candidate group costs the bits the entropy coder is expected to
+store instead: each of its components' order-0 entropy of the symbols the quantizer gives on the calibration rows
+(Miller-Madow corrected, at most the type's width), plus its fp16 range parameters at full width. A ratio's budget
+then buys what a blob stores, not what it packs: with ``"nominal"`` (the paper's rule) the entropy coder's gain
+comes on top, so a 16x target stores about 17.5x.
+
 Table: ``best[j, b]`` = least error of coding components ``[0, j)`` with exactly ``b`` budget units,
-``choice[j, b]`` the candidate that ended there. A unit is 2 bits (every cost is even) unless the budget
-would need more than ``max_columns`` units; then costs are rounded *up* to a coarser unit, so a plan never
-exceeds its budget, at the price of exactness (recorded in the plan).
+``choice[j, b]`` the candidate that ended there. A unit is 2 bits (every nominal cost is even; 1 bit for coded
+costs, rounded up) unless the budget would need more than ``max_columns`` units; then costs are rounded *up* to a
+coarser unit, so a plan never exceeds its budget, at the price of exactness (recorded in the plan).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from ..quant import (
     TYPE_NAMES,
     best_clips,
     clippable,
+    coded_bits,
     group_bits,
     squared_error,
 )
@@ -58,6 +65,8 @@ DEFAULT_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP
 DEFAULT_DP_ROWS = 1024
 #: widest budget axis before costs are coarsened
 DEFAULT_MAX_COLUMNS = 1 << 16
+#: what a candidate group costs: its packed bits (the paper's) or the bits the entropy coder is expected to store
+RATES: tuple[str, ...] = ("nominal", "coded")
 
 
 @dataclass(frozen=True)
@@ -172,13 +181,15 @@ def candidate_errors(
     sizes: Sequence[int] = DEFAULT_SIZES,
     types: Sequence[int] = DEFAULT_TYPES,
     clips: dict[tuple[int, int], torch.Tensor] | None = None,
+    costs: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
     """Measured errors of every candidate group.
 
     ``coeffs``: ``[rows, k]`` PCA coefficients. Returns the per-component error of dropping ``[k]`` and,
     per ``(size, type)``, the error of each aligned group ``[k // size]`` (float64). With ``clips`` (a dict to
     fill), a clippable candidate gets its best clip per aligned group (:func:`kvtc.quant.best_clips`), recorded
-    there, and the error at that clip; without, every group is measured unclipped.
+    there, and the error at that clip; without, every group is measured unclipped. With ``costs`` (a dict to
+    fill), each aligned group's expected stored bits at that clip (:func:`kvtc.quant.coded_bits`) are recorded there.
     """
     if coeffs.dim() != 2:
         raise CalibrationError(f"coefficient rows must be [rows, k], got {tuple(coeffs.shape)}")
@@ -192,26 +203,40 @@ def candidate_errors(
             continue
         x = coeffs[:, : m * g].reshape(n, m, g)
         for t in types:
+            clip: torch.Tensor | float = 1.0
             if clips is not None and clippable(t, g):
                 clips[(g, t)], errs[(g, t)] = best_clips(x, t)
+                clip = clips[(g, t)]
             else:
                 errs[(g, t)] = squared_error(x, t)
+            if costs is not None:
+                costs[(g, t)] = coded_bits(x, t, clip)
     return drop, errs
 
 
 def _solve(
-    drop: torch.Tensor, errs: dict[tuple[int, int], torch.Tensor], budget_bits: float, max_columns: int
-) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]], int]:
-    """Fill the DP table. Returns (last row of ``best``, ``choice``, candidates, unit)."""
+    drop: torch.Tensor,
+    errs: dict[tuple[int, int], torch.Tensor],
+    budget_bits: float,
+    max_columns: int,
+    costs: dict[tuple[int, int], torch.Tensor] | None = None,
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]], int, dict[tuple[int, int], np.ndarray]]:
+    """Fill the DP table. Returns (last row of ``best``, ``choice``, candidates, unit, per-group costs in units
+    (empty for nominal costs)). ``costs``: bits of each
+    aligned group per ``(size, type)`` (coded rate); without, every group costs :func:`group_bits`."""
     k = drop.numel()
-    unit = 2
+    base = 1 if costs is not None else 2
+    unit = base
     if budget_bits / unit > max_columns:
-        unit = 2 * math.ceil(budget_bits / (2 * max_columns))
+        unit = base * math.ceil(budget_bits / (base * max_columns))
     cols = int(budget_bits // unit) + 1
-    # candidate 0 is "drop one component"
+    # candidate 0 is "drop one component"; a candidate's cost in units is one number or one per aligned group
     cands: list[tuple[int, int, int]] = [(1, DROP, 0)]
+    units: dict[tuple[int, int], np.ndarray] = {}
     for g, t in errs:
         cands.append((g, t, math.ceil(group_bits(g, t) / unit)))
+        if costs is not None:
+            units[(g, t)] = np.ceil(costs[(g, t)].double().cpu().numpy() / unit - 1e-9).astype(np.int64)
     ring = max(g for g, _, _ in cands) + 1
     best = np.full((ring, cols), np.inf)
     best[0, 0] = 0.0
@@ -235,6 +260,8 @@ def _solve(
             prev = best[(j - g) % ring]
             for ci in cis:
                 _, t, cost = cands[ci]
+                if units:
+                    cost = int(units[(g, t)][(j - g) // g])
                 if cost >= cols:
                     continue
                 e = errs_np[(g, t)][(j - g) // g]
@@ -243,14 +270,18 @@ def _solve(
                 np.copyto(m[cost:], v[cost:], where=better[cost:])
                 arg[cost:][better[cost:]] = ci
         best[j % ring] = m
-    return best[k % ring].copy(), choice, cands, unit
+    return best[k % ring].copy(), choice, cands, unit, units
 
 
-def _backtrack(choice: np.ndarray, cands: list[tuple[int, int, int]], b: int) -> list[tuple[int, int]]:
+def _backtrack(
+    choice: np.ndarray, cands: list[tuple[int, int, int]], b: int, units: dict[tuple[int, int], np.ndarray]
+) -> list[tuple[int, int]]:
     j = choice.shape[0] - 1
     groups: list[tuple[int, int]] = []
     while j > 0:
         g, t, cost = cands[int(choice[j, b])]
+        if units and t != DROP:
+            cost = int(units[(g, t)][(j - g) // g])
         groups.append((g, t))
         j -= g
         b -= cost
@@ -281,6 +312,13 @@ class ErrorCurve:
     unit: int
     rows: int
     clips: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    #: coded rate: each aligned group's cost in units and expected stored bits, per (size, type); empty: nominal
+    group_units: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    coded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def rate(self) -> str:
+        return "coded" if self.coded else "nominal"
 
     def units(self, budget_bits: float) -> int:
         return int(min(budget_bits // self.unit, self.best.size - 1))
@@ -290,18 +328,21 @@ class ErrorCurve:
 
     def plan(self, budget_bits: float, **meta: Any) -> Plan:
         b = int(self.at[self.units(budget_bits)])
-        groups = _backtrack(self.choice, self.cands, b)
+        groups = _backtrack(self.choice, self.cands, b, self.group_units)
         segments = _run_length(groups)
-        clips, start = [], 0
+        clips, start, coded = [], 0, 0.0
         for g, t in groups:
             if t != DROP:
                 clips.append(float(self.clips[(g, t)][start // g]) if (g, t) in self.clips else 1.0)
+                coded += float(self.coded[(g, t)][start // g]) if self.coded else 0.0
             start += g
+        if self.coded:
+            meta = {"rate": "coded", "coded_bits": round(coded, 3), **meta}
         return Plan(
             segments,
             float(self.best[self.units(budget_bits)]),
             self.rows,
-            exact=self.unit == 2,
+            exact=self.unit == (1 if self.coded else 2),
             meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta},
             clips=tuple(clips) if any(c != 1.0 for c in clips) else (),
         )
@@ -313,17 +354,22 @@ def error_curve(
     sizes: Sequence[int] = DEFAULT_SIZES,
     types: Sequence[int] = DEFAULT_TYPES,
     max_columns: int = DEFAULT_MAX_COLUMNS,
+    rate: str = "nominal",
 ) -> ErrorCurve:
-    """Solve the DP once for budgets up to ``max_budget_bits`` (see :class:`ErrorCurve`)."""
+    """Solve the DP once for budgets up to ``max_budget_bits`` (see :class:`ErrorCurve`), each group costing its
+    packed bits (``rate="nominal"``) or its expected stored bits (``"coded"``, see the module docstring)."""
     _check(coeffs, sizes)
+    if rate not in RATES:
+        raise CalibrationError(f"rate {rate!r} is not one of {', '.join(RATES)}")
     clips: dict[tuple[int, int], torch.Tensor] = {}
-    drop, errs = candidate_errors(coeffs, sizes, types, clips)
-    last, choice, cands, unit = _solve(drop, errs, max_budget_bits, max_columns)
+    coded: dict[tuple[int, int], torch.Tensor] | None = {} if rate == "coded" else None
+    drop, errs = candidate_errors(coeffs, sizes, types, clips, coded)
+    last, choice, cands, unit, units = _solve(drop, errs, max_budget_bits, max_columns, coded)
     best = np.minimum.accumulate(last)
     # first unit count reaching each new minimum (ties: fewer bits)
     prev = np.concatenate([[np.inf], best[:-1]])
     at = np.maximum.accumulate(np.where(last < prev, np.arange(last.size), 0))
-    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]), clips)
+    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]), clips, units, coded or {})
 
 
 def split_budget(
@@ -367,6 +413,7 @@ def allocate_for_error(
     types: Sequence[int] = DEFAULT_TYPES,
     max_bits: float | None = None,
     max_columns: int = DEFAULT_MAX_COLUMNS,
+    rate: str = "nominal",
 ) -> Plan:
     """Smallest plan (fewest bits per token) whose measured error is at most ``max_error``.
 
@@ -374,7 +421,7 @@ def allocate_for_error(
     Raises :class:`CalibrationError` when no plan within ``max_bits`` reaches the error.
     """
     max_bits = float(16 * coeffs.shape[-1] if max_bits is None else max_bits)
-    curve = error_curve(coeffs, max_bits, sizes, types, max_columns)
+    curve = error_curve(coeffs, max_bits, sizes, types, max_columns, rate)
     ok = np.flatnonzero(curve.best <= max_error)
     if ok.size == 0:
         raise CalibrationError(

@@ -21,6 +21,7 @@ from .artifact import KINDS, Calibration, ratio_key
 from .dp import ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
 from .pca import EXACT_MAX_FEATURES, CovarianceAccumulator, PCAResult, randomized_pca
 from .recipe import (
+    CODED_HEADROOM,
     DEFAULT_RATIOS,
     DEFAULT_SENSITIVITY_FLOOR,
     DEFAULT_VALUE_WEIGHT,
@@ -157,11 +158,12 @@ def fit_calibration(
             raise CalibrationError("no calibration rows were given")
     keep = {kind: [0] * len(cols) for kind in KINDS}
     share = 2.0 if kv_split == "joint" else 1.0
+    coded = recipe.rate == "coded"
     for g, c in enumerate(cols):
         curves: dict[str, ErrorCurve] = {}
         energy: dict[str, float] = {}
         resid: dict[str, float] = {}
-        budgets = [budget_for_ratio(c.numel(), r) for r in ratios]
+        budgets = [budget_for_ratio(c.numel(), r) * (1 - CODED_HEADROOM if coded else 1) for r in ratios]
         for kind in KINDS:
             pca = results[kind][g]
             x = reservoirs[kind].rows[:, c] - pca.mean
@@ -169,7 +171,7 @@ def fit_calibration(
             energy[kind] = max(float(x.double().square().sum()), 1e-30)
             resid[kind] = max(energy[kind] - float(coeffs.double().square().sum()), 0.0)
             say(f"{kind}: bit allocation table for group {g}")
-            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types)
+            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types, rate=recipe.rate)
             del x, coeffs
         for r, budget in zip(ratios, budgets):
             if kv_split == "joint" and split_errors == "weighted":

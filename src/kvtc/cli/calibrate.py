@@ -44,6 +44,14 @@ def add_calibrate(sub: Any) -> None:
         help="weight of the values' relative error in the joint split (default 2)",
     )
     p.add_argument(
+        "--rate",
+        choices=("nominal", "coded"),
+        default="nominal",
+        help="what a ratio's bit budget counts: nominal: the packed bits, the entropy coder's gain on top (the "
+        "paper's rule; default); coded: the bits each group is expected to store after entropy coding, so that a "
+        "blob stores about its target ratio and spends the coder's gain on quality",
+    )
+    p.add_argument(
         "--sensitivity",
         choices=("fisher", "none"),
         default="fisher",
@@ -149,6 +157,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
     given = {name: getattr(args, name) for name in ("tokens", "ratios", "window", "value_weight")}
     return Recipe(
         kv_split=args.kv_split,
+        rate=args.rate,
         sensitivity=args.sensitivity,
         sampling=args.sampling,
         types=parse_types(args.types),
