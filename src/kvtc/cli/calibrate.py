@@ -135,6 +135,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(
         f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}"
     )
+    rate = (cal.stats.get("recipe") or {}).get("rate", "nominal")
+    print(f"  bit budgets count: {'expected stored bits (coded rate)' if rate == 'coded' else 'packed bits (nominal)'}")
     used = sorted(
         {
             TYPE_NAMES[t]
