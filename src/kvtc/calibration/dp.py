@@ -316,10 +316,6 @@ class ErrorCurve:
     group_units: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     coded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    @property
-    def rate(self) -> str:
-        return "coded" if self.coded else "nominal"
-
     def units(self, budget_bits: float) -> int:
         return int(min(budget_bits // self.unit, self.best.size - 1))
 
