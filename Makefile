@@ -32,7 +32,7 @@ demo: assets
 
 test: assets lint
 	scripts/ensure_redis.sh
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 # ruff comes with the test requirements
 lint: $(STAMP)

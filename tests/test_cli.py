@@ -68,7 +68,7 @@ def test_calibrate_default_reuses_the_cached_calibration(capsys, small_calibrati
     code, out, _ = run_cli(capsys, "calibrate", "--tokens", SMALL_CALIBRATION_TOKENS)
     ratios = ", ".join(f"{r:g}" for r in DEFAULT_RATIOS)
     assert code == 0 and str(small_calibration_path) in out and f"ratios {ratios}" in out
-    assert "bit budgets count: packed bits (nominal)" in out
+    assert "bit budgets count: expected stored bits (coded rate)" in out
 
 
 def test_compress_inspect_generate_resume(capsys, tmp_path, smollm2, heldout, small_calibration_path):
@@ -136,8 +136,9 @@ def test_calibrate_types_option_parses_names_and_refuses_unknown_ones():
 
     assert parse_types("all") == DEFAULT_TYPES and parse_types("paper") == PAPER_TYPES
     assert parse_types("int3, int2s,int3") == (INT3, INT2S)
-    # int1s is opt-in: not in the default set, added to it by name
-    assert INT1S not in DEFAULT_TYPES and parse_types("all,int1s") == (*DEFAULT_TYPES, INT1S)
+    # int1s is in the default set; naming it again adds nothing
+    assert INT1S in DEFAULT_TYPES and parse_types("all,int1s") == DEFAULT_TYPES
+    assert parse_types("paper,int1s") == (*PAPER_TYPES, INT1S)
     assert parse_types("paper,int2") == PAPER_TYPES
     for bad in ("int9", "drop", ",", "all,int9"):
         with pytest.raises(KVTCError, match="quantization type"):

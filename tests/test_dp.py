@@ -225,7 +225,7 @@ def test_joint_kv_split_spends_the_shared_budget_where_the_weighted_error_is_lea
     w = 2.0
     cals = {
         mode: fit_calibration(
-            layout, [(keys, values)], Recipe(ratios=(8, 16), dp_rows=600, kv_split=mode, value_weight=w)
+            layout, [(keys, values)], Recipe(ratios=(8, 16), dp_rows=600, kv_split=mode, value_weight=w, rate="nominal")
         )
         for mode in ("joint", "equal")
     }

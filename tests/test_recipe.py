@@ -173,8 +173,8 @@ def test_recipes_are_values_and_the_default_ones_have_names():
         Recipe()
     )
     assert Recipe().ratios == tuple(sorted(Recipe().ratios))
-    assert Recipe().name == "r8" and Recipe(tokens=4096).name == "r8"
-    assert Recipe(sensitivity="none").name == "r8u"
+    assert Recipe().name == "r9" and Recipe(tokens=4096).name == "r9"
+    assert Recipe(sensitivity="none").name == "r9u"
     assert Recipe(dp_rows=512).name is None and Recipe(grouping=PCAGrouping("layers", 1)).name is None
     assert Recipe().sinks == DEFAULT_SINKS
     assert all(getattr(Recipe(), field) == allowed[0] for field, allowed in CHOICES.items())
@@ -191,11 +191,12 @@ def test_the_cli_builds_its_recipe_from_the_options():
     def recipe(*argv):
         return recipe_from_args(build_parser().parse_args(["calibrate", *argv]))
 
-    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r8"
-    assert recipe("--sensitivity", "none").name == "r8u"
+    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r9"
+    assert recipe("--sensitivity", "none").name == "r9u"
     assert recipe("--ratios", "8", "16").ratios == (8.0, 16.0) and recipe("--ratios", "8").name is None
     assert recipe("--types", "paper").name is None and recipe("--value-weight", "1").value_weight == 1.0
-    assert recipe("--rate", "coded").rate == "coded" and recipe("--rate", "coded").name is None
+    assert recipe("--rate", "nominal").rate == "nominal" and recipe("--rate", "nominal").name is None
+    assert recipe("--rate", "coded").name == "r9"
     with pytest.raises(CalibrationError, match="tokens"):
         recipe("--tokens", "-3")
 
@@ -217,8 +218,8 @@ def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path,
 
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
     smollm2, gemma3 = (default_calibration_path(model=m) for m in ("smollm2", "gemma3"))
-    assert smollm2.name == "smollm2-sotu-pre2000-100000-r8.safetensors"
-    assert gemma3.name == "gemma3-sotu-pre2000-100000-r8.safetensors"
+    assert smollm2.name == "smollm2-sotu-pre2000-100000-r9.safetensors"
+    assert gemma3.name == "gemma3-sotu-pre2000-100000-r9.safetensors"
     assert smollm2.parent == gemma3.parent == tmp_path / "calibrations"
     assert default_calibration_path() == default_calibration_path(model="default") == smollm2
     assert default_calibration_path(Recipe(sensitivity="none"), model="gemma-3-270m").name.startswith("gemma3-")

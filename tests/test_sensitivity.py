@@ -11,7 +11,7 @@ import torch
 
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_scales
-from kvtc.calibration.dp import PAPER_TYPES, Plan
+from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES, Plan
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
 from kvtc.quant import INT1S, INT4S
@@ -19,6 +19,8 @@ from synthetic import LowRankSource, make_slice
 
 LAYOUT = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=16)  # p = 64, four (layer, head) blocks of 16
 P = LAYOUT.num_features
+#: the default types but the one-bit one: plans a version-4 reader knows
+V4_TYPES = tuple(t for t in DEFAULT_TYPES if t != INT1S)
 
 
 def _rows(seed: int, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +49,8 @@ def cals() -> tuple[Calibration, Calibration, dict[str, torch.Tensor]]:
     k, v = _rows(0)
     rows = [(k[i : i + 1024], v[i : i + 1024]) for i in range(0, k.shape[0], 1024)]
     scales = _scales()
-    plain = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512))
-    weighted = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512), feature_scale=scales)
+    plain = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512, rate="nominal"))
+    weighted = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512, rate="nominal"), feature_scale=scales)
     return plain, weighted, scales
 
 
@@ -139,7 +141,9 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     back = Calibration.load(path)
     assert back.hash == weighted.hash and back.weighted
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
-    assert json.loads(_meta(path.read_bytes()))["version"] == 4 and json.loads(_meta(plain.to_bytes()))["version"] == 4
+    # version 5 where the plans use the one-bit type (a version-4 reader does not know it), else 4
+    for cal, data in ((weighted, path.read_bytes()), (plain, plain.to_bytes())):
+        assert json.loads(_meta(data))["version"] == (5 if INT1S in cal.types else 4)
     assert weighted.stats["kv_split"]["errors"] == "relative"
 
 
@@ -166,7 +170,7 @@ def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it()
     weighted = fit_calibration(
         LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES), feature_scale=scales
     )
-    ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8, 16), dp_rows=512), feature_scale=scales)
+    ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8, 16), dp_rows=512, types=V4_TYPES), feature_scale=scales)
     assert not plain.extended_types and not weighted.extended_types and ours.extended_types
     for cal, version in ((plain, 1), (weighted, 2), (ours, 3)):
         assert json.loads(_meta(cal.to_bytes()))["version"] == 4
@@ -192,7 +196,7 @@ def test_a_calibration_with_one_bit_plans_is_version_5_and_a_version_4_claim_is_
     # int1s (code 9) is unknown to a version-4 reader: a calibration whose plans use it is written as version 5 (a
     # version-4 reader refuses it by its version), one without it stays version 4; a file claiming 4 is corrupt
     k, v = _rows(0)
-    base = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512), feature_scale=_scales())
+    base = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=V4_TYPES), feature_scale=_scales())
     plan = Plan(((1, INT4S, 4), (4, INT1S, 2)), clips=(1.0,) * 4 + (0.3125, 0.375))
     one_bit = dataclasses.replace(base, plans={"8": {"keys": [plan], "values": [plan]}})
     assert base.version == 4 and one_bit.version == 5 and INT1S in one_bit.types

@@ -17,8 +17,8 @@ precision, counted against the bit budget:
   ``scale = max|x| / 448``. A group of one component in ``int2s`` (``c = 1``) stores its value to half precision
   (the sign in the symbol) in 18 bits.
 
-int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. int1s (ours, opt-in: not in
-the DP's default set) keeps a coefficient's sign, ``±c·max|x|`` (the best clip is near the group's mean ``|x|``):
+int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. int1s (ours; in the DP's
+default set since the coded rate) keeps a coefficient's sign, ``±c·max|x|`` (the best clip is near the group's mean ``|x|``):
 1.25 bits a component in a group of 64, for tails the other types would drop. Which types a calibration
 may use is the DP's choice (``kvtc.calibration.dp.DEFAULT_TYPES``; the paper's set is ``PAPER_TYPES``).
 

@@ -39,6 +39,7 @@ from ..quant import (
     DROP,
     FP8,
     FP8S,
+    INT1S,
     INT2,
     INT2S,
     INT3,
@@ -58,9 +59,9 @@ DEFAULT_SIZES: tuple[int, ...] = (1, 16, 64, 256, 1024)
 PAPER_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
 #: the default adds int3 and the scale-only types (ours): on SmolLM2 the DP's measured error at the same
 #: bits falls by about a fifth at 7-8x (BENCHMARKS.md, "Quantization types")
-#: (int1s stays opt-in, ``--types all,int1s``: on Gemma-3-270M it lowers next-token KL by 6-9% at 16x and 4-5% at
-#: 32x, BENCHMARKS.md "Gemma-3-270M: one-bit coefficients"; the default calibrations keep their plans)
-DEFAULT_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S)
+#: and the 1-bit int1s: with the coded rate it lowers next-token KL by a further 5-11% at 16x on both embedded
+#: models (BENCHMARKS.md "What a ratio's budget counts")
+DEFAULT_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S, INT1S)
 #: calibration rows on which errors are measured (ALGORITHM.md: 1,024 rows)
 DEFAULT_DP_ROWS = 1024
 #: widest budget axis before costs are coarsened

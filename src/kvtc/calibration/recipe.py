@@ -8,8 +8,8 @@ tensors, same plans, same content hash. Across CPUs the float reductions of the 
 differ in the last bits, so an independently rebuilt calibration has another content hash and does not decode
 blobs the first one encoded (``CalibrationMismatch``): copy the calibration file instead.
 
-The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r8`` is ``Recipe()``,
-``r8u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
+The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r9`` is ``Recipe()``,
+``r9u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
 the token count), so a new default recipe is a new name and a new file.
 """
 
@@ -67,7 +67,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # what a ratio's budget counts: each group's packed bits ("nominal", the paper's: the entropy coder's gain, about
     # 1.1x, comes on top of the target) or the bits it is expected to store ("coded", ours: each component's symbol
     # entropy on the calibration rows, so that a blob stores about its target)
-    "rate": ("nominal", "coded"),
+    "rate": ("coded", "nominal"),
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
     # first documents on ("first")
     "sampling": ("spread", "first"),
@@ -115,7 +115,7 @@ class Recipe:
     kv_split: str = "joint"
     value_weight: float = DEFAULT_VALUE_WEIGHT
     split_errors: str = "relative"
-    rate: str = "nominal"
+    rate: str = "coded"
     sensitivity: str = "fisher"
     sensitivity_resolution: str = "feature"
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
@@ -217,11 +217,12 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 
 
 #: named recipes: the embedded default's cached calibrations are made with these (the file name carries the name)
-#: r8: windows spread across the corpus, Fisher-weighted per feature (each kind normalised apart), every quantization
-#: type with the DP's clips, targets 6-64 with 7.5 and 10 between; r8u: the same without weighting. (r7 took the
+#: r9: windows spread across the corpus, Fisher-weighted per feature (each kind normalised apart), every quantization
+#: type (int1s included) with the DP's clips, budgets counting the expected stored bits (the coded rate), targets 6-64
+#: with 7.5 and 10 between; r9u: the same without weighting. (r8 counted packed bits without int1s; r7 took the
 #: corpus's first windows.)
-RECIPES: dict[str, Recipe] = {"r8": Recipe(), "r8u": Recipe(sensitivity="none")}
-DEFAULT_RECIPE = "r8"
-UNWEIGHTED_RECIPE = "r8u"
+RECIPES: dict[str, Recipe] = {"r9": Recipe(), "r9u": Recipe(sensitivity="none")}
+DEFAULT_RECIPE = "r9"
+UNWEIGHTED_RECIPE = "r9u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

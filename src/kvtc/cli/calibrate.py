@@ -45,11 +45,11 @@ def add_calibrate(sub: Any) -> None:
     )
     p.add_argument(
         "--rate",
-        choices=("nominal", "coded"),
-        default="nominal",
-        help="what a ratio's bit budget counts: nominal: the packed bits, the entropy coder's gain on top (the "
-        "paper's rule; default); coded: the bits each group is expected to store after entropy coding, so that a "
-        "blob stores about its target ratio and spends the coder's gain on quality",
+        choices=("coded", "nominal"),
+        default="coded",
+        help="what a ratio's bit budget counts: coded: the bits each group is expected to store after entropy "
+        "coding, so that a blob stores about its target ratio and spends the coder's gain on quality (default); "
+        "nominal: the packed bits, the entropy coder's gain on top (the paper's rule)",
     )
     p.add_argument(
         "--sensitivity",
@@ -69,8 +69,8 @@ def add_calibrate(sub: Any) -> None:
         "--types",
         default="all",
         help="quantization types the DP may use, comma-separated: all (the default set: the paper's int2, int4, "
-        "fp8 plus our int3 and scale-only int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), type names, "
-        "or a mix such as all,int1s (the opt-in 1-bit type: sign and a per-token scale)",
+        "fp8 plus our int3 and scale-only int1s, int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), type "
+        "names, or a mix such as paper,int2s",
     )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
@@ -168,7 +168,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
 
 
 def parse_types(spec: str) -> tuple[int, ...]:
-    """Comma-separated ``all`` (the default set), ``paper`` and type names -> DP type codes, e.g. ``all,int1s``."""
+    """Comma-separated ``all`` (the default set), ``paper`` and type names -> DP type codes, e.g. ``paper,int2s``."""
     from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES
     from ..quant import DROP, TYPE_CODES
 
@@ -178,6 +178,6 @@ def parse_types(spec: str) -> tuple[int, ...]:
     if bad or not names:
         raise KVTCError(
             f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, names from "
-            f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}, or a comma-separated mix (all,int1s)"
+            f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}, or a comma-separated mix (paper,int2s)"
         )
     return tuple(dict.fromkeys(c for n in names for c in sets.get(n, (TYPE_CODES.get(n, DROP),))))
