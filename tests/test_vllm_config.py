@@ -311,3 +311,34 @@ def test_chunk_longer_than_a_sliding_window():
         check_chunk(512, 128, (511, 0))
     with pytest.raises(ConfigError, match=r"chunk_tokens=128 .* --block-size 64 .* no larger than 127"):
         check_chunk(128, 128, (127,))
+
+
+def test_first_chunk_counts_its_raw_sinks(tmp_path, caplog):
+    """The first chunk keeps its sinks raw; they count against its budget like every stored byte, so it is coded
+    at the least compressing calibrated ratio r with sinks + (chunk - sinks) / r <= chunk / ratio (later chunks at
+    the configured ratio); where none fits, the configured ratio with a warning naming the fix."""
+    layout, rope = describe_model(tiny_models.llama())
+    src = LowRankSource(layout.num_features, rank=8, seed=1)
+    path = fit_calibration(
+        layout, [(src.rows(512), src.rows(512))], Recipe(ratios=(4, 8, 16), dp_rows=256), rope=rope.to_dict()
+    ).save(tmp_path / "cal.kvtc-calib")
+    hf = tiny_models.llama()
+
+    def first_and_later(ratio: float) -> tuple[float, float, int, int]:
+        extra = {
+            "calibration": str(path),
+            "ratio": ratio,
+            "chunk_tokens": 64,
+            "sinks": 4,
+            "store": f"file://{tmp_path}",
+        }
+        codecs = Codecs.for_model(ConnectorConfig.from_extra(extra), hf)
+        first, later = codecs.codec(layout, True), codecs.codec(layout, False)
+        return float(first.ratio), float(later.ratio), first.sinks, later.sinks
+
+    assert first_and_later(4) == (8, 4, 4, 0)  # 4 + 60/8 = 11.5 <= 16; 60/4 alone would be 15 + 4 > 16
+    assert first_and_later(8) == (16, 8, 4, 0)  # 4 + 60/16 = 7.75 <= 8
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvtc.vllm"):
+        assert first_and_later(16) == (16, 16, 4, 0)  # the sinks alone fill 4/64 of the chunk: nothing fits
+    assert "4 raw sinks do not fit a 64-token chunk at 1/16" in caplog.text and "Raise chunk_tokens" in caplog.text

@@ -42,6 +42,7 @@ class Codecs:
         self.model = model
         self._by_layout: dict[tuple[KVLayout, bool], Codec] = {}
         self._checked: dict[tuple, Calibration] = {}  # the checked calibration per model shape and heads
+        self._warned = False  # the first chunk's sinks do not fit its budget (warned once)
 
     @classmethod
     def for_model(cls, config: ConnectorConfig, hf_config: Any, model: str = "the served model") -> Codecs:
@@ -98,11 +99,34 @@ class Codecs:
             if self.calibration is None:
                 self._by_layout[key] = Codec.identity()
             else:
+                calib = self._calibration_for(layout)
                 sinks = self.config.sinks if first_chunk else 0
-                self._by_layout[key] = Codec(
-                    self._calibration_for(layout), ratio=self.config.ratio, sinks=sinks, window=0
-                )
+                ratio = self.first_chunk_ratio(calib) if sinks else self.config.ratio
+                self._by_layout[key] = Codec(calib, ratio=ratio, sinks=sinks, window=0)
         return self._by_layout[key]
+
+    def first_chunk_ratio(self, calib: Calibration) -> float:
+        """The ratio a sequence's first chunk is coded at. Its raw sinks count against the chunk's budget, as every
+        stored byte does: the least compressing calibrated ratio ``r >= ratio`` with ``sinks + (chunk - sinks) / r
+        <= chunk / ratio`` (the calibration's plans store about their target). The configured ratio, with a
+        warning, where no calibrated ratio fits (the first chunk then stores more than 1/ratio)."""
+        chunk, sinks, ratio = self.config.chunk_tokens, self.config.sinks, self.config.ratio
+        fits = [r for r in calib.ratios if r >= ratio and sinks + (chunk - sinks) / r <= chunk / ratio]
+        if fits:
+            return min(fits)
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "KVTCConnector: %d raw sinks do not fit a %d-token chunk at 1/%g of its bytes with any calibrated "
+                "ratio (%s); a sequence's first chunk stores more than 1/%g. Raise chunk_tokens, lower sinks, or "
+                "calibrate a higher ratio",
+                sinks,
+                chunk,
+                ratio,
+                ", ".join(f"{r:g}" for r in calib.ratios),
+                ratio,
+            )
+        return ratio
 
     @property
     def post_rope(self) -> bool:
