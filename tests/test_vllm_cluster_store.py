@@ -49,6 +49,8 @@ def _engine(tmp: Path, name: str, store: str) -> dict:
             "1",
             "--prefix",
             str(PREFIX),
+            "--dtype",
+            "auto",
             "--out",
             str(out),
         ],

@@ -68,8 +68,12 @@ def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None, cm
     """Run one engine scenario (``vllm_scenarios.py run ...``) in its own process; its result and stderr.
 
     Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (docs/VLLM.md): the model gets the same OpenMP
-    threads with and without the connector, and the connector's codec process the CPU vLLM leaves free."""
+    threads with and without the connector, and the connector's codec process the CPU vLLM leaves free. Engine
+    runs take ``--dtype auto`` (``vllm_scenarios.engine_dtype``: float32 on a CPU without native bf16, where
+    vLLM's bf16 prefill is about 5x slower; every engine of a comparison runs the same dtype)."""
     out = tmp / f"{name}.json"
+    if cmd == "run":
+        args = (*args, "--dtype", "auto")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_NUM_OF_RESERVED_CPU="1", **(env or {}))
     p = subprocess.run(
         [sys.executable, str(SCENARIOS), cmd, *args, "--out", str(out)],

@@ -95,14 +95,16 @@ def test_backend_names_choose_the_split():
         PagedLayout.for_backend("FLASH_ATTN", torch.zeros(B, H, N, 3 * D), H, D)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("writer", [_write_content, _write_rows, _write_cpu_vec])
-def test_probe_learns_any_placement_exactly(writer):
-    like = torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16)
-    lay = probe_writer(like, lambda k, v, c, s: writer(c, s, k, v), H, D, torch.bfloat16)
+def test_probe_learns_any_placement_exactly(writer, dtype):
+    """Every cache type (float32 caches once failed: the probe's read-back aliased its scratch block)."""
+    like = torch.zeros(B, H, N, 2 * D, dtype=dtype)
+    lay = probe_writer(like, lambda k, v, c, s: writer(c, s, k, v), H, D, dtype)
     assert not like.any()  # the real cache is never written
     cache = torch.zeros_like(like)
     slots = slots_for([4, 1, 2], N, 3, 45)
-    k, v = _kv(len(slots), 2)
+    k, v = (x.to(dtype) for x in _kv(len(slots), 2))
     writer(cache, slots, k, v)
     gk, gv = lay.gather(cache, slots)
     assert torch.equal(gk, k) and torch.equal(gv, v)

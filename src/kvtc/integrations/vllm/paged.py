@@ -319,7 +319,7 @@ def probe_writer(like: torch.Tensor, write: Writer, num_heads: int, head_dim: in
         write(keys.to(dtype), values.to(dtype), scratch, slots)
         if scratch[0].any():
             raise LayoutError("the backend's cache writer wrote outside the block it was given")
-        return scratch[1].float().flatten()
+        return scratch[1].to(torch.float32, copy=True).flatten()  # a copy also for float32 caches: scratch is reused
 
     kind = written(torch.ones_like(idx), torch.full_like(idx, 2))
     ident = torch.zeros_like(kind, dtype=torch.int64)
