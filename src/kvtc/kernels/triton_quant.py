@@ -8,7 +8,9 @@ unfused multiply then add on decode.
 
 A *bucket* is every kept group of one (type, size) in a plan. One program handles ``BLOCK_T`` tokens of
 ``GPB`` groups (several groups per program when groups are small, one group walked in ``CH``-component
-chunks when they are large). Shapes:
+chunks when they are large). The group size is a runtime argument, not a compile-time one: the groups of 64 and
+more components share one compiled kernel per type (the first encode or decode on a fresh machine compiles a
+third fewer kernels, each without an unrolled walk over up to 1,024 components). Shapes:
 
 * ``coeffs`` ``[n, k]`` (row-major, tokens by PCA components), float32 or bfloat16;
 * ``params`` ``[rows, n]`` float16: each kept group's shift row then scale row, or its scale row alone for a
@@ -72,9 +74,9 @@ def _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB: tl.constexpr, BLOCK_T: 
 # fmt: off
 @triton.jit
 def _quantize_pack_kernel(
-    x_ptr, stride_x, n, col0_ptr, row0_ptr, prow_ptr, ngroups, params_ptr, plane_ptr, plane_bytes, clip_ptr,
+    x_ptr, stride_x, n, col0_ptr, row0_ptr, prow_ptr, ngroups, G, params_ptr, plane_ptr, plane_bytes, clip_ptr,
     IS_FP8: tl.constexpr, SYM: tl.constexpr, HAS_CLIP: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
-    PER: tl.constexpr, G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr
+    PER: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr
 ):
     pid_t = tl.program_id(1)
     gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
@@ -84,7 +86,7 @@ def _quantize_pack_kernel(
 
     lo = tl.full((BLOCK_T, GPB), float("inf"), tl.float32)
     hi = tl.full((BLOCK_T, GPB), float("-inf"), tl.float32)
-    for k in tl.static_range(0, G, CH):
+    for k in range(0, G, CH):
         cols = col0[None, :, None] + k + c[None, None, :]
         v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
         lo = tl.minimum(lo, tl.min(v, axis=2))
@@ -120,7 +122,7 @@ def _quantize_pack_kernel(
     pos = s > 0
     s_safe = tl.where(pos, s, 1.0)
     tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
-    for k in tl.static_range(0, G, CH):
+    for k in range(0, G, CH):
         cols = col0[None, :, None] + k + c[None, None, :]
         v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
         y = _div_rn(v - sh[:, :, None], s_safe[:, :, None])
@@ -152,9 +154,9 @@ def _quantize_pack_kernel(
 # fmt: off
 @triton.jit
 def _unpack_dequantize_kernel(
-    y_ptr, stride_y, n, col0_ptr, row0_ptr, prow_ptr, ngroups, params_ptr, plane_ptr, plane_bytes, cscale_ptr,
+    y_ptr, stride_y, n, col0_ptr, row0_ptr, prow_ptr, ngroups, G, params_ptr, plane_ptr, plane_bytes, cscale_ptr,
     IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
-    G: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, SCALE_OUT: tl.constexpr
+    GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, SCALE_OUT: tl.constexpr
 ):
     pid_t = tl.program_id(1)
     gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
@@ -168,7 +170,7 @@ def _unpack_dequantize_kernel(
         sh = tl.load(pptr, mask=pm, other=0.0).to(tl.float32)[:, :, None]
         sc = tl.load(pptr + n, mask=pm, other=0.0).to(tl.float32)[:, :, None]
     tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
-    for k in tl.static_range(0, G, CH):
+    for k in range(0, G, CH):
         rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
         rmask = tl.reshape(gmask[:, None] & (c[None, :] >= 0), (GPB * CH,))
         if PER == 1:
@@ -226,8 +228,8 @@ def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: 
     gpb, ch = _shape(size)
     grid = (triton.cdiv(ngroups, gpb), triton.cdiv(n, BLOCK_T))
     kernel[grid](
-        t, t.stride(0), n, col0, row0, prow, ngroups, params, plane, plane.shape[1], *extra,
-        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing), G=size,
+        t, t.stride(0), n, col0, row0, prow, ngroups, size, params, plane, plane.shape[1], *extra,
+        IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing),
         GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, **consts,
     )
 
