@@ -9,8 +9,8 @@ unfused multiply then add on decode.
 A *bucket* is every kept group of one (type, size) in a plan. One program handles ``BLOCK_T`` tokens of
 ``GPB`` groups (several groups per program when groups are small, one group walked in ``CH``-component
 chunks when they are large). The group size is a runtime argument, not a compile-time one: the groups of 64 and
-more components share one compiled kernel per type (the first encode or decode on a fresh machine compiles a
-third fewer kernels, each without an unrolled walk over up to 1,024 components). Shapes:
+more components share one compiled kernel per type (the first encode or decode on a fresh machine compiles
+3 kernels per type where it compiled 5, each without an unrolled walk over up to 1,024 components). Shapes:
 
 * ``coeffs`` ``[n, k]`` (row-major, tokens by PCA components), float32 or bfloat16;
 * ``params`` ``[rows, n]`` float16: each kept group's shift row then scale row, or its scale row alone for a
