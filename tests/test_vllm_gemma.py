@@ -2,7 +2,7 @@
 layers of window 512 and 3 global layers; with its hybrid KV-cache manager vLLM makes 6 groups of 3 layers, and
 the sliding groups keep only the blocks inside the window).
 
-Engines (each in its own process, started once for the module):
+Engines (each in its own process, started once for the module; the baseline beside the restoring one):
   baseline   no connector; computes the 1,536-token shared prefix first, then serves the 16 prompts one by one
   store      identity codec, empty file store: the same, storing the prefix
   restore    identity codec, fresh engine, same store: serves the 16 prompts one by one, restoring the prefix;
@@ -29,7 +29,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLL
     pytest.skip(f"vLLM is not importable ({e!r})", allow_module_level=True)
 
 from greedy_ties import NEAR_TIE_NATS, divergences  # noqa: E402
-from test_vllm_connector import _run, _tokens  # noqa: E402
+from test_vllm_connector import _tokens, run_engines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +44,18 @@ def runs(tmp_path_factory, gemma3_dir):
     store = f"file://{tmp}/store"
     common = ["--model", "gemma3", "--prompts", str(PROMPTS), "--prefix", str(PREFIX), "--sequential"]
     env = {"KVTC_VLLM_DEBUG": "1"}
-    res = {}
     warm = "--warm-prefix"
-    res["baseline"], _ = _run(tmp, "baseline", "--mode", "none", *common, warm, env=env)
-    res["store"], res["store_log"] = _run(tmp, "store", "--mode", "identity", "--store", store, *common, warm, env=env)
-    res["restore"], res["restore_log"] = _run(
-        tmp, "restore", "--mode", "identity", "--store", store, *common, "--again-concurrent", env=env
+    # the storing engine alone (see run_engines), then the restoring engine beside the baseline
+    ran = run_engines(tmp, [[("store", ["--mode", "identity", "--store", store, *common, warm], env)]])
+    ran |= run_engines(
+        tmp,
+        [
+            [("restore", ["--mode", "identity", "--store", store, *common, "--again-concurrent"], env)],
+            [("baseline", ["--mode", "none", *common, warm], env)],
+        ],
     )
+    res = {name: result for name, (result, _) in ran.items()}
+    res.update({f"{name}_log": log for name, (_, log) in ran.items()})
     return res
 
 

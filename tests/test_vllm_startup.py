@@ -24,6 +24,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLL
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 from fixtures_smollm2 import small_calibration_path  # noqa: E402,F401 - the test calibration, built once
 from test_vllm_connector import SCENARIOS, _run  # noqa: E402
@@ -44,10 +45,13 @@ def test_a_ratio_without_a_plan_stops_the_engine(tmp_path, small_calibration_pat
 
 
 def test_mla_model_is_refused_at_startup(tmp_path):
-    without, _ = _run(tmp_path, "mla-none", "--mode", "none", cmd="mla")
-    assert without["started"] and len(without["tokens"]) == 4, without
     store = f"file://{tmp_path}/store"
-    refused, log = _run(tmp_path, "mla-identity", "--mode", "identity", "--store", store, cmd="mla")
+    with ThreadPoolExecutor(2) as pool:  # two independent engines, side by side (each is mostly one busy CPU)
+        plain = pool.submit(_run, tmp_path, "mla-none", "--mode", "none", cmd="mla")
+        connector = pool.submit(_run, tmp_path, "mla-identity", "--mode", "identity", "--store", store, cmd="mla")
+    without, _ = plain.result()
+    assert without["started"] and len(without["tokens"]) == 4, without
+    refused, log = connector.result()
     assert not refused["started"]
     assert "uses multi-head latent attention (MLA" in log, log[-3000:]
     assert "serve this model without kv_transfer_config" in log

