@@ -5,6 +5,8 @@ vLLM as finished and failed loads, and that its DEBUG lines say what happened.""
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,36 @@ def test_encoder_process_queue_is_bounded(tmp_path, caplog):
     w.close()
     assert w.store.contains("k0") and not w.store.contains("k1")
     assert not copies.exists()  # the shared-memory copies are gone
+
+
+def _idle_threads(pid: int) -> list[int]:
+    idle = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if os.sched_getscheduler(int(task.name)) == os.SCHED_IDLE:
+                idle.append(int(task.name))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return idle
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not Path("/proc/self/task").is_dir(), reason="needs Linux")
+def test_saving_runs_at_idle_priority_until_the_worker_closes(tmp_path):
+    """The codec process saves in a SCHED_IDLE thread while the engine serves; once the worker closes (shutdown
+    waits for the queue, and vLLM allows it only seconds) that thread runs at normal priority."""
+    w = _worker(f"file://{tmp_path}/store", seed=6, background=True)
+    w.save([StoreJob("a", "k0", 0, [[1, 2]])])
+    pid = w.helper.proc.pid
+    deadline = time.monotonic() + 60
+    while not (idle := _idle_threads(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(idle) == 1, "no saving thread at SCHED_IDLE"
+    w.helper.hurry()
+    while _idle_threads(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _idle_threads(pid) and idle[0] in [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    w.close()
+    assert w.store.contains("k0")
 
 
 def test_connector_stats_count_what_happened(tmp_path):

@@ -204,7 +204,7 @@ def measure_sensitivity(
     per_feature = coded.repeat_interleave(len(layout.heads) * layout.head_dim)
     count = 0
     flags = [p.requires_grad for p in model.parameters()]
-    bar = progress_bar(windows, "sensitivity windows", progress, unit="tok")
+    bar = progress_bar(windows, "sensitivity windows", progress, unit="window")
     try:
         for p in model.parameters():
             p.requires_grad_(False)

@@ -7,7 +7,8 @@ in the store. Because the chunk is copied before ``wait_for_save`` returns, vLLM
 once: no block is held for a save (a sliding-window group frees blocks while its request still runs, so holding
 the request's blocks would not protect them anyway). Copies waiting here are bounded (``max_bytes``): a chunk
 that would exceed the bound is dropped, which is only a future cache miss, and reported. On shutdown the queue is
-drained before the process exits.
+drained before the process exits, the saving thread then at normal priority (the shutdown waits for it, and vLLM
+gives a worker only a few seconds: on CPUs kept busy, an idle-priority drain would store nothing in that time).
 
 Restoring: a restore of several chunks is split; the process decodes the second half (reading the entries from
 the store itself) into a shared-memory file while the worker decodes the first half.
@@ -264,8 +265,16 @@ class CodecProcess:
                 self._lock.wait(left)
         return True
 
+    def hurry(self) -> None:
+        """Raise the process's saving thread to normal priority for good: someone now waits for the queue."""
+        try:
+            self._send({"hurry": True})
+        except (OSError, ValueError):  # the process is gone or its stdin closed: nothing to hurry
+            pass
+
     def close(self, timeout: float | None = None) -> bool:
-        """Store what is queued (up to ``timeout`` seconds), then stop the process."""
+        """Store what is queued (up to ``timeout`` seconds, at normal priority), then stop the process."""
+        self.hurry()
         done = self.flush(timeout)
         try:
             if self.proc.stdin is not None:
@@ -341,9 +350,26 @@ def _serve(reply_fd: int, cpus: str, nice: int) -> None:
             saves.put(msg)
         elif "restore" in msg:
             reply(_restore(codec, msg))
+        elif "hurry" in msg:
+            _normal_priority(saver.native_id)
     saves.put(None)
     saver.join()
     codec.store.close()
+
+
+def _normal_priority(tid: int | None) -> None:
+    """Put thread ``tid`` of this process back to the normal policy (from ``SCHED_IDLE``; allowed without
+    privileges) or, where it was niced instead, as close to nice 0 as this process may go."""
+    if tid is None:
+        return
+    try:
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except (AttributeError, OSError):  # lowering a nice value may need privileges: keep the one it has
+        pass
 
 
 def _restore(codec: ChunkCodec, msg: dict[str, Any]) -> dict[str, Any]:
