@@ -91,6 +91,15 @@ def today_candidates(coeffs: torch.Tensor) -> tuple[dict, dict, dict]:
     return errs, costs, clips
 
 
+def fixed_symbols(x: torch.Tensor, top: float, code: int) -> tuple[torch.Tensor, float, int, int]:
+    """Fixed-step candidate ``code`` applied to ``x``: symbols ``q`` in ``-h..h``, the step, ``h`` and the bits of a
+    symbol. ``top``: the largest component standard deviation of the rows (the step ladder's start)."""
+    w, i = divmod(code - FIXED, STEPS)
+    half = HALF_WIDTHS[w]
+    step = top * 2 ** (-i / 2)
+    return torch.clamp(torch.round(x / step), -half, half), step, half, math.ceil(math.log2(2 * half + 1))
+
+
 def fixed_candidates(coeffs: torch.Tensor) -> tuple[dict, dict]:
     """Errors and costs of fixed-step groups: every (size, width, step); a width-``b`` symbol costs at least ``b/8``
     bits (a byte-wise Huffman coder codes ``8/b`` packed symbols in no less than one bit)."""
@@ -100,15 +109,10 @@ def fixed_candidates(coeffs: torch.Tensor) -> tuple[dict, dict]:
     for g in FIXED_SIZES:
         m = k // g
         x = coeffs[:, : m * g].reshape(n, m, g)
-        for w, half in enumerate(HALF_WIDTHS):
-            bits = math.ceil(math.log2(2 * half + 1))
-            for i in range(STEPS):
-                step = top * 2 ** (-i / 2)
-                q = torch.clamp(torch.round(x / step), -half, half)
-                code = FIXED + w * STEPS + i
-                errs[(g, code)] = (x - q * step).double().square().sum(dim=(0, 2))
-                floor = g * bits / 8
-                costs[(g, code)] = cross_bits((q + half).long(), 2 * half + 1).clamp(min=floor)
+        for code in range(FIXED, FIXED + len(HALF_WIDTHS) * STEPS):
+            q, step, half, bits = fixed_symbols(x, top, code)
+            errs[(g, code)] = (x - q * step).double().square().sum(dim=(0, 2))
+            costs[(g, code)] = cross_bits((q + half).long(), 2 * half + 1).clamp(min=g * bits / 8)
     return errs, costs
 
 
@@ -130,17 +134,15 @@ def stored_bits(coeffs: torch.Tensor, groups: list[tuple[int, int]], clips: dict
     symbol width) with every kept group's planes in component order and one stream of the per-token range
     parameters, each coded as a blob codes it (zstd, the CPU default, and huff4k)."""
     n = coeffs.shape[0]
+    top = float(coeffs.std(0).max())
     planes: dict[tuple[str, int], list[torch.Tensor]] = {}
     params: list[torch.Tensor] = []
     start = 0
     for g, code in groups:
         x = coeffs[:, start : start + g].reshape(n, 1, g)
         if code >= FIXED:
-            w, i = divmod(code - FIXED, STEPS)
-            half = HALF_WIDTHS[w]
-            step = float(coeffs.std(0).max()) * 2 ** (-i / 2)
-            sym = (torch.clamp(torch.round(x / step), -half, half) + half).to(torch.uint8)
-            planes.setdefault(("fixed", math.ceil(math.log2(2 * half + 1))), []).append(sym.reshape(n, g).T)
+            q, _, half, bits = fixed_symbols(x, top, code)
+            planes.setdefault(("fixed", bits), []).append((q + half).to(torch.uint8).reshape(n, g).T)
         elif code != DROP:
             clip = clips.get((g, code), 1.0)
             clip = clip[start // g : start // g + 1] if isinstance(clip, torch.Tensor) else clip
