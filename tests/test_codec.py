@@ -25,6 +25,7 @@ from kvtc.quant import (
     TYPE_NAMES,
     best_clips,
     clippable,
+    fixed_step,
     param_rows,
     quantize,
     squared_error,
@@ -78,15 +79,22 @@ def test_every_type_matches_the_float64_reference_and_counts_its_params(setup, q
     layout, ks, vs, cal = setup
     # scale-only int groups of more than one component carry encoder clips (0.625 and 0.4375 here)
     clips = tuple([1.0] * 3 + ([0.625, 0.4375, 0.625] if clippable(qtype, 16) else [1.0] * 3))
+    if fixed_step(qtype):  # a fixed-step group's value is its step: fine to coarse against the keys' spread
+        pca = cal.pcas["keys"][0]
+        sd = ((ks.rows(300) - pca.mean) @ pca.basis.T).std(0)
+        starts = (0, 1, 2, 3, 19, 48)
+        clips = tuple(float(sd[c]) * f for c, f in zip(starts, (0.05, 0.3, 1.0, 0.1, 0.5, 2.0)))
     plan = Plan(
         ((1, qtype, 3), (16, qtype, 2), (1, DROP, 13), (64, qtype, 1)),
         clips=clips if any(c != 1.0 for c in clips) else (),
     )
-    # named ratio 8: the blob-size sanity bound scales with the named ratio, and int1s codes ~80x here
-    hand = dataclasses.replace(cal, plans={ratio_key(8): {"keys": [plan], "values": [plan]}})
+    # named ratio 8 (16 for the fixed-step types, whose coarse groups code to almost nothing): the blob-size sanity
+    # bound scales with the named ratio, and int1s codes ~80x here
+    named = 16 if fixed_step(qtype) else 8
+    hand = dataclasses.replace(cal, plans={ratio_key(named): {"keys": [plan], "values": [plan]}})
     krows, vrows = ks.rows(300), vs.rows(300)
     kv = make_slice(layout, krows, vrows)
-    codec = Codec(hand, ratio=8, sinks=0, window=0)
+    codec = Codec(hand, ratio=named, sinks=0, window=0)
     blob = codec.encode(kv)
     out = codec.decode(blob)
     sections = {sec["name"]: sec["raw"] for sec in Codec.inspect(blob)["sections"]}

@@ -87,8 +87,9 @@ def _measure(coeffs: torch.Tensor, plan: Plan) -> float:
         if t == DROP:
             total += float(x.double().square().sum())
         else:
-            sym, sh, sc = quantize(x, t, next(clips))
-            total += float((dequantize(sym, sh, sc, t) - x).double().square().sum())
+            clip = next(clips)
+            sym, sh, sc = quantize(x, t, clip)
+            total += float((dequantize(sym, sh, sc, t, clip) - x).double().square().sum())
         covered = start + size
     total += float(coeffs[:, covered:].double().square().sum())
     return total

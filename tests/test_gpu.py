@@ -21,7 +21,20 @@ from kvtc.codec import nvcomp as gpu_entropy
 from kvtc.codec.codec import CODED_TYPES
 from kvtc.codec.entropy import BACKENDS, device_coder
 from kvtc.codec.packing import pack, packed_plane_bytes
-from kvtc.quant import CLIPS, INT1S, INT4S, TYPE_BITS, clippable, dequantize, param_rows, quantize
+from kvtc.quant import (
+    CLIPS,
+    INT1S,
+    INT2F,
+    INT4F,
+    INT4S,
+    INT8F,
+    TYPE_BITS,
+    clippable,
+    dequantize,
+    fixed_step,
+    param_rows,
+    quantize,
+)
 from synthetic import LowRankSource, make_slice
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,6 +78,8 @@ def test_fused_kernels_match_reference_bit_for_bit(qtype, size, packing, n):
     if clippable(qtype, size):  # encoder clips per group, one of them 1
         clips = torch.tensor(CLIPS, dtype=torch.float32)[torch.randint(len(CLIPS), (ng,), generator=g)]
         clips[0] = 1.0
+    elif fixed_step(qtype):  # the plan's steps, one per group: fine (no clamping) to coarse (most symbols clamp)
+        clips = torch.tensor([0.003, 0.11, 1.7], dtype=torch.float32)
     kernels.quantize_pack(xd, *args, qtype, size, params, plane, packing, None if clips is None else clips.to(dev))
 
     xs = torch.stack([x[:, c : c + size] for c in col0.tolist()], 1)
@@ -76,15 +91,17 @@ def test_fused_kernels_match_reference_bit_for_bit(qtype, size, packing, n):
     pr = prow.long()
     if npar == 2:
         assert torch.equal(params[pr].cpu().view(torch.int16), sh.T.contiguous().view(torch.int16))
-    assert torch.equal(params[pr + npar - 1].cpu().view(torch.int16), sc.T.contiguous().view(torch.int16))
+    if npar:
+        assert torch.equal(params[pr + npar - 1].cpu().view(torch.int16), sc.T.contiguous().view(torch.int16))
     untouched = torch.ones(ng * npar + 2, dtype=torch.bool)
     for r in pr.tolist():
         untouched[r : r + npar] = False
     assert bool(params[untouched.to(dev)].isnan().all())  # nothing written outside the groups' rows
 
     out = torch.full((n, k), float("nan"), device=dev)
-    kernels.unpack_dequantize(out, *args, qtype, size, params, plane, packing)
-    deq = dequantize(sym, sh, sc, qtype)
+    steps = clips.to(dev) if fixed_step(qtype) else None
+    kernels.unpack_dequantize(out, *args, qtype, size, params, plane, packing, steps=steps)
+    deq = dequantize(sym, sh, sc, qtype, clips if fixed_step(qtype) else None)
     for i, c in enumerate(col0.tolist()):
         assert torch.equal(out[:, c : c + size].cpu(), deq[:, i])
 
@@ -335,6 +352,32 @@ def test_one_bit_plans_code_the_same_on_both_devices(setup, precision):
             energy = float(r.float().square().sum())
             assert float((x.float() - y.float().cpu()).square().sum()) <= tol * energy
             assert float((x.float() - r.float()).square().sum()) <= 1e-2 * energy  # same symbols, a few aside
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_fixed_step_plans_code_the_same_on_both_devices(setup, precision):
+    """A plan with fixed-step groups (no range parameters; each group's step from the plan): the GPU encoder writes
+    blobs the CPU decodes, and every restore path agrees with the CPU decode."""
+    _kernels()
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    cal, kv = setup
+    plan = Plan(((16, INT4S, 1), (1, INT8F, 4), (1, INT4F, 12), (1, INT2F, 20)),
+                clips=(1.0, *[0.01 * 1.3**i for i in range(36)]))  # fmt: skip
+    hand = dataclasses.replace(cal, plans={"8": {"keys": [plan], "values": [plan]}})
+    cpu = Codec(hand, ratio=8, backend="huff4k")
+    gpu = Codec(hand, ratio=8, device="cuda", precision=precision, backend="huff4k")
+    blob_cpu, blob_gpu = cpu.encode(kv), gpu.encode(_cuda(kv))
+    ref = cpu.decode(blob_cpu)
+    tol = {"fp32": 1e-4, "bf16": 1e-3, "fp8": 2e-2}[precision]
+    for blob in (blob_cpu, blob_gpu):
+        a = cpu.decode(blob)
+        b = gpu.decode(blob, device="cuda")
+        for i, (_layer, k, v) in enumerate(gpu.decode_layers(blob, device="cuda")):
+            assert torch.equal(k, b.keys[:, :, i]) and torch.equal(v, b.values[:, :, i])
+        for x, y, r in ((a.keys, b.keys, ref.keys), (a.values, b.values, ref.values)):
+            energy = float(r.float().square().sum())
+            assert float((x.float() - y.float().cpu()).square().sum()) <= tol * energy
 
 
 def test_gpu_restore_path_refuses_corrupt_blobs(setup):

@@ -13,6 +13,7 @@ from kvtc import KVLayout, PCAGrouping
 from kvtc.calibration import Calibration, Plan, Recipe, fit_calibration, load_calibration
 from kvtc.calibration.artifact import FORMAT_VERSION
 from kvtc.calibration.digest import content_hash
+from kvtc.calibration.dp import R9_TYPES
 from kvtc.calibration.recipe import CHOICES
 from kvtc.codec import DEFAULT_SINKS
 from kvtc.errors import CalibrationError
@@ -114,7 +115,8 @@ def test_a_version_4_file_refuses_any_changed_byte(cal, tmp_path):
     data = cal.to_bytes()
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
-    assert meta["version"] == FORMAT_VERSION == 4 and meta["hash"] == cal.hash and len(meta["checksum"]) == 64
+    # version 4, or 6 where the plans use fixed-step types (the default types): the same checksummed file
+    assert meta["version"] == cal.version in (FORMAT_VERSION, 6) and meta["hash"] == cal.hash and len(meta["checksum"]) == 64
     # the eigenvalues are no part of the hash, but the checksum covers them
     start, _ = json.loads(data[8 : 8 + n])["keys.0.eigenvalues"]["data_offsets"]
     bad = bytearray(data)
@@ -173,8 +175,9 @@ def test_recipes_are_values_and_the_default_ones_have_names():
         Recipe()
     )
     assert Recipe().ratios == tuple(sorted(Recipe().ratios))
-    assert Recipe().name == "r9" and Recipe(tokens=4096).name == "r9"
-    assert Recipe(sensitivity="none").name == "r9u"
+    assert Recipe().name == "r10" and Recipe(tokens=4096).name == "r10"
+    assert Recipe(sensitivity="none").name == "r10u"
+    assert Recipe(types=R9_TYPES, rate="coded").name == "r9" and Recipe(rate="coded").name is None
     assert Recipe(dp_rows=512).name is None and Recipe(grouping=PCAGrouping("layers", 1)).name is None
     assert Recipe().sinks == DEFAULT_SINKS
     assert all(getattr(Recipe(), field) == allowed[0] for field, allowed in CHOICES.items())
@@ -191,12 +194,13 @@ def test_the_cli_builds_its_recipe_from_the_options():
     def recipe(*argv):
         return recipe_from_args(build_parser().parse_args(["calibrate", *argv]))
 
-    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r9"
-    assert recipe("--sensitivity", "none").name == "r9u"
+    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r10"
+    assert recipe("--sensitivity", "none").name == "r10u"
     assert recipe("--ratios", "8", "16").ratios == (8.0, 16.0) and recipe("--ratios", "8").name is None
     assert recipe("--types", "paper").name is None and recipe("--value-weight", "1").value_weight == 1.0
     assert recipe("--rate", "nominal").rate == "nominal" and recipe("--rate", "nominal").name is None
-    assert recipe("--rate", "coded").name == "r9"
+    assert recipe("--rate", "stored").name == "r10" and recipe("--rate", "coded").name is None
+    assert recipe("--rate", "coded", "--types", "r9").name == "r9"
     with pytest.raises(CalibrationError, match="tokens"):
         recipe("--tokens", "-3")
 
@@ -218,8 +222,8 @@ def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path,
 
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
     smollm2, gemma3 = (default_calibration_path(model=m) for m in ("smollm2", "gemma3"))
-    assert smollm2.name == "smollm2-sotu-pre2000-100000-r9.safetensors"
-    assert gemma3.name == "gemma3-sotu-pre2000-100000-r9.safetensors"
+    assert smollm2.name == "smollm2-sotu-pre2000-100000-r10.safetensors"
+    assert gemma3.name == "gemma3-sotu-pre2000-100000-r10.safetensors"
     assert smollm2.parent == gemma3.parent == tmp_path / "calibrations"
     assert default_calibration_path() == default_calibration_path(model="default") == smollm2
     assert default_calibration_path(Recipe(sensitivity="none"), model="gemma-3-270m").name.startswith("gemma3-")

@@ -14,13 +14,13 @@ from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_s
 from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES, Plan
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
-from kvtc.quant import INT1S, INT4S
+from kvtc.quant import INT1S, INT4S, fixed_step
 from synthetic import LowRankSource, make_slice
 
 LAYOUT = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=16)  # p = 64, four (layer, head) blocks of 16
 P = LAYOUT.num_features
 #: the default types but the one-bit one: plans a version-4 reader knows
-V4_TYPES = tuple(t for t in DEFAULT_TYPES if t != INT1S)
+V4_TYPES = tuple(t for t in DEFAULT_TYPES if t != INT1S and not fixed_step(t))
 
 
 def _rows(seed: int, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +141,11 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     back = Calibration.load(path)
     assert back.hash == weighted.hash and back.weighted
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
-    # version 5 where the plans use the one-bit type (a version-4 reader does not know it), else 4
+    # version 6 where the plans use a fixed-step type, 5 where they use the one-bit type (each unknown to the
+    # readers before it), else 4
     for cal, data in ((weighted, path.read_bytes()), (plain, plain.to_bytes())):
-        assert json.loads(_meta(data))["version"] == (5 if INT1S in cal.types else 4)
+        want = 6 if any(fixed_step(t) for t in cal.types) else 5 if INT1S in cal.types else 4
+        assert json.loads(_meta(data))["version"] == want
     assert weighted.stats["kv_split"]["errors"] == "relative"
 
 

@@ -1,5 +1,5 @@
 """Quantizers of PCA coefficients: uniform integers (int1 / int2 / int3 / int4) and fp8 E4M3, each with per-token
-range parameters.
+range parameters, and fixed-step integers with none.
 
 Two families of range parameters, per token and kept group of ``size`` consecutive components, in IEEE half
 precision, counted against the bit budget:
@@ -16,6 +16,13 @@ precision, counted against the bit budget:
   calibration rows and kept in the plan; a decoder needs only the scale. fp8: ``x ≈ e4m3(q)·scale`` with
   ``scale = max|x| / 448``. A group of one component in ``int2s`` (``c = 1``) stores its value to half precision
   (the sign in the symbol) in 18 bits.
+
+**fixed-step** (ours; types ``int2f``, ``int4f``, ``int8f``): no per-token parameters at all. A group's step
+comes from the plan (set at calibration time, one per group) and ``q = clamp(round(x / step), -h, h)`` is stored as
+``q + h`` (``h`` = 1, 7, 127 in 2-, 4- and 8-bit planes), ``x ≈ q·step``: entropy-coded uniform scalar quantization.
+Its bits are what the entropy coder makes of the symbols, so a component the step makes mostly zero costs a
+fraction of a bit, and the DP chooses each component's step from a ladder by its measured cost and error
+(:mod:`kvtc.calibration.dp`).
 
 int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. int1s (ours; in the DP's
 default set since the coded rate) keeps a coefficient's sign, ``±c·max|x|`` (the best clip is near the group's mean ``|x|``):
@@ -38,8 +45,8 @@ import math
 
 import torch
 
-#: quantization type codes as stored in plans and containers (0-3: the paper's; 4-9: ours)
-DROP, INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S, INT1S = range(10)
+#: quantization type codes as stored in plans and containers (0-3: the paper's; 4-12: ours)
+DROP, INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S, INT1S, INT2F, INT4F, INT8F = range(13)
 TYPE_NAMES = {
     DROP: "drop",
     INT2: "int2",
@@ -51,16 +58,26 @@ TYPE_NAMES = {
     INT4S: "int4s",
     FP8S: "fp8s",
     INT1S: "int1s",
+    INT2F: "int2f",
+    INT4F: "int4f",
+    INT8F: "int8f",
 }
 TYPE_CODES = {name: code for code, name in TYPE_NAMES.items()}
-TYPE_BITS = {DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8, INT1S: 1}
+TYPE_BITS = {
+    DROP: 0, INT2: 2, INT4: 4, FP8: 8, INT3: 3, INT2S: 2, INT3S: 3, INT4S: 4, FP8S: 8, INT1S: 1, INT2F: 2, INT4F: 4,
+    INT8F: 8,
+}  # fmt: skip
 #: the coded types in their stream order in a blob (the paper's types first: a blob that uses only them is laid
 #: out as before ours existed)
-CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S, INT1S)
+CODED_TYPES = (INT2, INT4, FP8, INT3, INT2S, INT3S, INT4S, FP8S, INT1S, INT2F, INT4F, INT8F)
 #: scale-only types (no per-token shift)
 SYMMETRIC = frozenset({INT2S, INT3S, INT4S, FP8S, INT1S})
 FP8_TYPES = frozenset({FP8, FP8S})
 INT_TYPES = frozenset({INT2, INT3, INT4, INT2S, INT3S, INT4S, INT1S})
+#: fixed-step types: no per-token range parameters; the step is the plan's (one per group, set at calibration)
+#: and the symbol ``q + h`` of ``q = clamp(round(x / step), -h, h)`` is stored, ``h`` the type's half-width
+FIXED_HALF = {INT2F: 1, INT4F: 7, INT8F: 127}
+FIXED_TYPES = frozenset(FIXED_HALF)
 #: bits of one per-token range parameter (fp16)
 PARAM_BITS = 16
 
@@ -70,14 +87,20 @@ PARAM_BITS = 16
 CLIPS = (1.0, 0.875, 0.75, 0.625, 0.5, 0.4375, 0.375, 0.3125, 0.25)
 
 
+def fixed_step(qtype: int) -> bool:
+    """Whether ``qtype`` is a fixed-step type (its groups carry a step from the plan instead of range parameters)."""
+    return qtype in FIXED_TYPES
+
+
 def clippable(qtype: int, size: int) -> bool:
     """Whether the encoder may clip groups of ``size`` components of ``qtype`` (scale-only int, size > 1)."""
     return qtype in SYMMETRIC and qtype != FP8S and size > 1
 
 
 def param_rows(qtype: int) -> int:
-    """Per-token fp16 range parameters of a kept group of ``qtype``: 2 (shift, scale), 1 (scale) or 0 (drop)."""
-    return 0 if qtype == DROP else 1 if qtype in SYMMETRIC else 2
+    """Per-token fp16 range parameters of a kept group of ``qtype``: 2 (shift, scale), 1 (scale) or 0 (drop, or a
+    fixed-step type)."""
+    return 0 if qtype == DROP or qtype in FIXED_TYPES else 1 if qtype in SYMMETRIC else 2
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -105,6 +128,8 @@ def quantize(
     per group (``[groups]`` float32), see the module docstring (scale-only int types only)."""
     if x.dtype != torch.float32:
         x = x.float()
+    if qtype in FIXED_TYPES:
+        return _quantize_fixed(x, qtype, clip)
     clipped = isinstance(clip, torch.Tensor) or clip != 1.0
     if clipped:
         c = torch.as_tensor(clip, dtype=torch.float32)
@@ -146,9 +171,38 @@ def quantize(
     return sym, shift, scale
 
 
-def dequantize(sym: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor, qtype: int) -> torch.Tensor:
+def _steps(step: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fixed-step type's step(s) as float32 ``[groups, 1]`` (or a scalar), checked positive and finite."""
+    st = torch.as_tensor(step, dtype=torch.float32)
+    if not bool(((st > 0) & torch.isfinite(st)).all()):
+        raise ValueError("fixed-step steps must be positive and finite")
+    return st.to(device).reshape(-1, 1) if st.dim() else st.to(device)
+
+
+def _quantize_fixed(
+    x: torch.Tensor, qtype: int, step: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    half = FIXED_HALF[qtype]
+    q = torch.div(x, _steps(step, x.device)).round_().clamp_(-half, half)
+    empty = torch.zeros(x.shape[:-1], dtype=torch.float16, device=x.device)
+    return (q + half).to(torch.uint8), empty, empty
+
+
+def dequantize(
+    sym: torch.Tensor,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    qtype: int,
+    step: float | torch.Tensor | None = None,
+) -> torch.Tensor:
     """Inverse of :func:`quantize`: float32 ``[tokens, groups, size]`` (``shift`` is ignored, and may be
-    ``None``, for a symmetric type)."""
+    ``None``, for a symmetric type; a fixed-step type takes its ``step`` instead of ``shift`` and ``scale``: one, or
+    one per group)."""
+    if qtype in FIXED_TYPES:
+        if step is None:
+            raise ValueError("a fixed-step type dequantizes with its step")
+        return (sym.float() - FIXED_HALF[qtype]) * _steps(step, sym.device)
+    assert scale is not None
     sc = scale.float().unsqueeze(-1)
     if qtype in FP8_TYPES:
         val = sym.view(torch.float8_e4m3fn).float()
@@ -168,7 +222,7 @@ def squared_error(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0)
     if qtype == DROP:
         return x.double().square().sum(dim=(0, 2))
     sym, shift, scale = quantize(x, qtype, clip)
-    err = (dequantize(sym, shift, scale, qtype) - x).double()
+    err = (dequantize(sym, shift, scale, qtype, clip) - x).double()
     return err.square().sum(dim=(0, 2))
 
 
@@ -201,4 +255,7 @@ def coded_bits(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) ->
     h = -(prob * torch.where(counts > 0, prob, 1.0).log2()).sum(1)
     h = h + ((counts > 0).sum(1) - 1).double() / (2 * n * math.log(2))
     h = h.clamp(max=float(TYPE_BITS[qtype]))
+    if qtype in FIXED_TYPES:
+        # a byte-wise entropy coder spends at least one bit on each byte of a plane, 8 / bits symbols of this type
+        h = h.clamp(min=TYPE_BITS[qtype] / 8)
     return h.reshape(m, g).sum(1) + PARAM_BITS * param_rows(qtype)

@@ -37,15 +37,19 @@ import torch
 from ..errors import CalibrationError
 from ..quant import (
     DROP,
+    FIXED_TYPES,
     FP8,
     FP8S,
     INT1S,
     INT2,
+    INT2F,
     INT2S,
     INT3,
     INT3S,
     INT4,
+    INT4F,
     INT4S,
+    INT8F,
     TYPE_NAMES,
     best_clips,
     clippable,
@@ -61,13 +65,33 @@ PAPER_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
 #: bits falls by about a fifth at 7-8x (BENCHMARKS.md, "Quantization types")
 #: and the 1-bit int1s: with the coded rate it lowers next-token KL by a further 5-11% at 16x on both embedded
 #: models (BENCHMARKS.md "What a ratio's budget counts")
-DEFAULT_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S, INT1S)
+#: (the r9 recipe's set) and the fixed-step int2f / int4f / int8f: no per-token range parameters, each component's
+#: step chosen from a ladder (BENCHMARKS.md "Fixed-step types in the codec")
+R9_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S, INT1S)
+DEFAULT_TYPES: tuple[int, ...] = R9_TYPES + (INT2F, INT4F, INT8F)
 #: calibration rows on which errors are measured (ALGORITHM.md: 1,024 rows)
 DEFAULT_DP_ROWS = 1024
 #: widest budget axis before costs are coarsened
 DEFAULT_MAX_COLUMNS = 1 << 16
 #: what a candidate group costs: its packed bits (the paper's) or the bits the entropy coder is expected to store
 RATES: tuple[str, ...] = ("nominal", "coded")
+#: fixed-step candidates (ours): each component may take any step of a ladder ``top · 2^(-r/2)``, r < FIXED_RUNGS,
+#: ``top`` the largest standard deviation among the rows' components (rounded to float32)
+FIXED_RUNGS = 24
+#: candidate keys of fixed-step rungs: (1, _VIRTUAL + type * FIXED_RUNGS + rung); a plan stores the real type
+_VIRTUAL = 1 << 10
+
+
+def real_type(code: int) -> int:
+    """The quantization type of a DP candidate code (a fixed-step rung's code names its type)."""
+    return (code - _VIRTUAL) // FIXED_RUNGS if code >= _VIRTUAL else code
+
+
+def fixed_ladder(coeffs: torch.Tensor) -> torch.Tensor:
+    """The fixed-step candidates' steps for these ``[rows, k]`` coefficients: float32 ``[FIXED_RUNGS]``."""
+    top = float(coeffs.float().std(0).max()) if coeffs.shape[0] > 1 else float(coeffs.abs().max())
+    top = max(top, 1e-30)
+    return (top * 2.0 ** (-torch.arange(FIXED_RUNGS, dtype=torch.float64) / 2)).float()
 
 
 @dataclass(frozen=True)
@@ -80,7 +104,8 @@ class Plan:
     components beyond the basis excluded).
 
     ``clips`` (ours): the encoder's clip of each *kept* group in component order (see :mod:`kvtc.quant`; below 1
-    only for scale-only int groups of more than one component); empty means 1 for every group.
+    only for scale-only int groups of more than one component), or a fixed-step group's step (any positive
+    float32); empty means 1 for every group.
     """
 
     segments: tuple[tuple[int, int, int], ...]
@@ -157,7 +182,8 @@ class Plan:
         if plan.clips:
             kept = [(size, t) for _, size, t in plan.groups() if t != DROP]
             if len(plan.clips) != len(kept) or any(
-                not 0.0 < c <= 1.0 or (c != 1.0 and not clippable(t, size)) for c, (size, t) in zip(plan.clips, kept)
+                not (0.0 < c < math.inf if t in FIXED_TYPES else 0.0 < c <= 1.0 and (c == 1.0 or clippable(t, size)))
+                for c, (size, t) in zip(plan.clips, kept)
             ):
                 raise CalibrationError("bit plan has clips that do not fit its groups; the file is corrupt")
         return plan
@@ -198,12 +224,28 @@ def candidate_errors(
     n, k = coeffs.shape
     drop = coeffs.double().square().sum(0)
     errs: dict[tuple[int, int], torch.Tensor] = {}
+    fixed = [t for t in types if t in FIXED_TYPES]
+    if fixed:
+        # no per-token side information: a fixed-step group of one component is as cheap as a larger one, and
+        # every component chooses its own step (the rungs are separate candidates, their costs measured)
+        x = coeffs.reshape(n, k, 1)
+        ladder = fixed_ladder(coeffs)
+        for t in fixed:
+            for r, step in enumerate(ladder.tolist()):
+                key = (1, _VIRTUAL + t * FIXED_RUNGS + r)
+                errs[key] = squared_error(x, t, step)
+                if clips is not None:
+                    clips[key] = torch.full((k,), step, dtype=torch.float32)
+                if costs is not None:
+                    costs[key] = coded_bits(x, t, step)
     for g in sizes:
         m = k // g
         if m == 0:
             continue
         x = coeffs[:, : m * g].reshape(n, m, g)
         for t in types:
+            if t in FIXED_TYPES:
+                continue
             clip: torch.Tensor | float = 1.0
             if clips is not None and clippable(t, g):
                 clips[(g, t)], errs[(g, t)] = best_clips(x, t)
@@ -235,9 +277,10 @@ def _solve(
     cands: list[tuple[int, int, int]] = [(1, DROP, 0)]
     units: dict[tuple[int, int], np.ndarray] = {}
     for g, t in errs:
-        cands.append((g, t, math.ceil(group_bits(g, t) / unit)))
+        cands.append((g, t, math.ceil(group_bits(g, real_type(t)) / unit)))
         if costs is not None:
             units[(g, t)] = np.ceil(costs[(g, t)].double().cpu().numpy() / unit - 1e-9).astype(np.int64)
+    _prune_fixed(errs, units, cands)
     ring = max(g for g, _, _ in cands) + 1
     best = np.full((ring, cols), np.inf)
     best[0, 0] = 0.0
@@ -261,8 +304,9 @@ def _solve(
             prev = best[(j - g) % ring]
             for ci in cis:
                 _, t, cost = cands[ci]
-                if units:
-                    cost = int(units[(g, t)][(j - g) // g])
+                per = units.get((g, t))
+                if per is not None:
+                    cost = int(per[(j - g) // g])
                 if cost >= cols:
                     continue
                 e = errs_np[(g, t)][(j - g) // g]
@@ -274,6 +318,34 @@ def _solve(
     return best[k % ring].copy(), choice, cands, unit, units
 
 
+def _prune_fixed(
+    errs: dict[tuple[int, int], torch.Tensor],
+    units: dict[tuple[int, int], np.ndarray],
+    cands: list[tuple[int, int, int]],
+) -> None:
+    """Keep, for each component, only the fixed-step rungs no other rung beats in both cost and error (the others
+    get a cost past any budget, so the DP skips them): the table's work grows with the few that remain."""
+    keys = [key for key in errs if key[1] >= _VIRTUAL]
+    if len(keys) < 2:
+        return
+    if not units:  # nominal costs: one per candidate; give each rung its cost per component
+        cost_of = {(g, t): c for g, t, c in cands}
+        for key in keys:
+            units[key] = np.full(errs[key].numel(), cost_of[key], dtype=np.int64)
+    c = np.stack([units[key] for key in keys])  # [V, k]
+    e = np.stack([errs[key].double().numpy() for key in keys])
+    order = np.lexsort((e, c), axis=0)  # per component: by cost, then error
+    es = np.take_along_axis(e, order, 0)
+    # a rung survives if its error is below every cheaper (or equally cheap, earlier) rung's
+    prev = np.minimum.accumulate(np.concatenate([np.full((1, e.shape[1]), np.inf), es[:-1]]), axis=0)
+    keep_sorted = es < prev
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, 0)
+    never = np.iinfo(np.int64).max // 4
+    for i, key in enumerate(keys):
+        units[key] = np.where(keep[i], units[key], never)
+
+
 def _backtrack(
     choice: np.ndarray, cands: list[tuple[int, int, int]], b: int, units: dict[tuple[int, int], np.ndarray]
 ) -> list[tuple[int, int]]:
@@ -281,8 +353,9 @@ def _backtrack(
     groups: list[tuple[int, int]] = []
     while j > 0:
         g, t, cost = cands[int(choice[j, b])]
-        if units and t != DROP:
-            cost = int(units[(g, t)][(j - g) // g])
+        per = units.get((g, t)) if t != DROP else None
+        if per is not None:
+            cost = int(per[(j - g) // g])
         groups.append((g, t))
         j -= g
         b -= cost
@@ -326,7 +399,7 @@ class ErrorCurve:
     def plan(self, budget_bits: float, **meta: Any) -> Plan:
         b = int(self.at[self.units(budget_bits)])
         groups = _backtrack(self.choice, self.cands, b, self.group_units)
-        segments = _run_length(groups)
+        segments = _run_length([(g, real_type(t)) for g, t in groups])
         clips, start, coded = [], 0, 0.0
         for g, t in groups:
             if t != DROP:

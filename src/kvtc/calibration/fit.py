@@ -57,6 +57,16 @@ class _Reservoir:
             rows, keys = rows[top], keys[top]
         self.rows, self.keys = rows, keys
 
+    def split(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ``m`` rows a reservoir of ``m`` would hold, the others): a reservoir of ``2m`` gives the same sample
+        as one of ``m`` plus ``m`` rows disjoint from it."""
+        assert self.rows is not None and self.keys is not None
+        if self.rows.shape[0] <= m:
+            return self.rows, self.rows[:0]
+        first = torch.zeros(self.rows.shape[0], dtype=torch.bool)
+        first[torch.topk(self.keys, m).indices] = True
+        return self.rows[first], self.rows[~first]
+
 
 def fit_calibration(
     layout: KVLayout,
@@ -113,7 +123,9 @@ def fit_calibration(
     use_exact = recipe.method == "exact" or (recipe.method == "auto" and widest <= EXACT_MAX_FEATURES)
     if not use_exact and not callable(rows):
         raise CalibrationError("randomized PCA passes over the rows several times: pass a function returning them")
-    reservoirs = {kind: _Reservoir(dp_rows, seed + i) for i, kind in enumerate(KINDS)}
+    # the stored rate measures each plan's stored bits on rows the DP did not see (as many again, disjoint)
+    held_out = recipe.rate == "stored"
+    reservoirs = {kind: _Reservoir(dp_rows * (2 if held_out else 1), seed + i) for i, kind in enumerate(KINDS)}
     results: dict[str, list[PCAResult]] = {}
     stats: dict[str, Any] = {"dp_rows": dp_rows, "seconds": {}, "predicted_relative_error": {}}
     t0 = time.perf_counter()
@@ -156,22 +168,29 @@ def fit_calibration(
         res = reservoirs[kind]
         if res.rows is None or res.rows.shape[0] < 2:
             raise CalibrationError("no calibration rows were given")
+    dp_sample = {kind: reservoirs[kind].split(dp_rows) for kind in KINDS}
     keep = {kind: [0] * len(cols) for kind in KINDS}
     share = 2.0 if kv_split == "joint" else 1.0
-    coded = recipe.rate == "coded"
+    coded = recipe.rate in ("coded", "stored")
+    dp_rate = "nominal" if recipe.rate == "nominal" else "coded"
     for g, c in enumerate(cols):
         curves: dict[str, ErrorCurve] = {}
         energy: dict[str, float] = {}
         resid: dict[str, float] = {}
+        kept_rows: dict[str, torch.Tensor] = {}
         budgets = [budget_for_ratio(c.numel(), r) * (1 - CODED_HEADROOM if coded else 1) for r in ratios]
         for kind in KINDS:
             pca = results[kind][g]
-            x = reservoirs[kind].rows[:, c] - pca.mean
+            sample, held = dp_sample[kind]
+            x = sample[:, c] - pca.mean
             coeffs = x @ pca.basis.T
             energy[kind] = max(float(x.double().square().sum()), 1e-30)
             resid[kind] = max(energy[kind] - float(coeffs.double().square().sum()), 0.0)
             say(f"{kind}: bit allocation table for group {g}")
-            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types, rate=recipe.rate)
+            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types, rate=dp_rate)
+            if recipe.rate == "stored":
+                # held-out rows: the DP's own rows would flatter its choices (each rung was picked where it was cheap)
+                kept_rows[kind] = (held[:, c] - pca.mean) @ pca.basis.T if held.shape[0] >= 2 else coeffs
             del x, coeffs
         for r, budget in zip(ratios, budgets):
             if kv_split == "joint" and split_errors == "weighted":
@@ -184,7 +203,10 @@ def fit_calibration(
                 bk = bv = budget
             stats["kv_split"]["value_share"].setdefault(ratio_key(r), []).append(round(bv / max(bk + bv, 1e-30), 4))
             for kind, b in (("keys", bk), ("values", bv)):
-                plan = curves[kind].plan(b, ratio_budget_bits=budget, kv_split=kv_split)
+                if recipe.rate == "stored":
+                    plan = stored_plan(curves[kind], kept_rows[kind], b, ratio_budget_bits=budget, kv_split=kv_split)
+                else:
+                    plan = curves[kind].plan(b, ratio_budget_bits=budget, kv_split=kv_split)
                 plans[ratio_key(r)][kind].append(plan)
                 keep[kind][g] = max(keep[kind][g], plan.kept_components)
                 stats["predicted_relative_error"].setdefault(ratio_key(r), {}).setdefault(kind, []).append(
@@ -209,6 +231,59 @@ def fit_calibration(
         corpus=corpus or {},
         stats=stats,
     )
+
+
+def stored_bits(coeffs: torch.Tensor, plan: Plan, backend: str | None = None) -> float:
+    """Bits per row that ``plan``'s sections take for the coefficient rows ``coeffs`` ``[n, k]`` as the CPU codec
+    stores them: quantized and packed by :class:`kvtc.codec.quantizer.Quantizer`, each section entropy coded by
+    ``backend`` (default: the CPU codec's, zstd) or stored raw where that is smaller, as in a blob."""
+    from ..codec.clock import stage_clock
+    from ..codec.entropy import DEFAULT_BACKEND, get_backend
+    from ..codec.quantizer import PlanLayout, Quantizer
+
+    pl = PlanLayout.build(plan)
+    if pl.kept_groups == 0 or coeffs.shape[0] == 0:
+        return 0.0
+    coder = get_backend(backend or DEFAULT_BACKEND)
+    x = coeffs[:, : pl.components].float().contiguous()
+    sections = Quantizer(torch.device("cpu"), fused=False).encode("g", x, pl, "bits", stage_clock(None))
+    total = sum(min(len(coder.compress(raw)), len(raw)) for _, raw in sections if len(raw))
+    return 8.0 * total / coeffs.shape[0]
+
+
+def stored_plan(curve: ErrorCurve, coeffs: torch.Tensor, budget_bits: float, steps: int = 8, **meta: Any) -> Plan:
+    """``rate="stored"``: the plan of the largest budget whose sections, as the codec stores them
+    (:func:`stored_bits` on ``coeffs``: calibration rows the DP did not see), fit ``budget_bits``. The coded rate counts each component's own symbol
+    entropy, while a blob's entropy coder has one table per section (a type's plane of every component it codes), so
+    plans of many distributions (fixed-step groups above all) store more than the DP counts; this closes that gap by
+    bisection over the budget, ``steps`` halvings of a bracket around it."""
+
+    def fits(b: float) -> tuple[bool, Plan, float]:
+        plan = curve.plan(b, **meta)
+        s = stored_bits(coeffs, plan)
+        return s <= budget_bits, plan, s
+
+    ok, plan, s = fits(budget_bits)
+    lo, hi = (budget_bits, budget_bits * 1.25) if ok else (budget_bits * 0.75, budget_bits)
+    best = (plan, s) if ok else None
+    while best is None:
+        ok, plan, s = fits(lo)
+        if ok:
+            best = (plan, s)
+        elif lo < 1.0:
+            best = (plan, s)  # nothing kept fits: the empty plan
+        else:
+            hi, lo = lo, lo * 0.75
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        ok, plan, s = fits(mid)
+        if ok:
+            lo, best = mid, (plan, s)
+        else:
+            hi = mid
+    plan, s = best
+    return dataclasses.replace(plan, meta={**plan.meta, "rate": "stored", "stored_bits": round(s, 3),
+                                           "target_bits": budget_bits})  # fmt: skip
 
 
 def sensitivity_scales(

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import CalibrationError
 from ..layout import DTYPES, MAX_TOKENS, PCAGrouping
-from ..quant import DROP, FP8, INT1S, INT2, INT4, TYPE_NAMES
+from ..quant import DROP, FIXED_TYPES, FP8, INT1S, INT2, INT4, TYPE_NAMES
 
 #: what a calibration may declare (the largest served models are far below these)
 MAX_LAYERS = 1 << 12
@@ -57,20 +57,25 @@ _KINDS = ("keys", "values")
 #: what decoding depends on, a checksum guards the rest; written unless the calibration came from an older file.
 #: 5: version 4 whose plans use the 1-bit type int1s (code 9), which a version-4 reader does not know (a
 #: calibration without it is still written as version 4, byte for byte as before).
+#: 6: version 4 or 5 whose plans use a fixed-step type (int2f / int4f / int8f, codes 10-12: the plan's per-group
+#: values are then steps, not clips in (0, 1]).
 FORMAT_VERSION = 4
 INT1_VERSION = 5
-READ_VERSIONS = (1, 2, 3, 4, 5)
+FIXED_VERSION = 6
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 
 
 def needed_version(types: frozenset[int], weighted: bool) -> int:
     """The lowest file version that can hold plans of quantization ``types`` (and feature scales if ``weighted``)."""
+    if types & FIXED_TYPES:
+        return FIXED_VERSION
     return INT1_VERSION if INT1S in types else 3 if not types <= _V2_TYPES else 2 if weighted else 1
 
 
 def saved_version(types: frozenset[int], weighted: bool, legacy: bool) -> int:
-    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4 or 5."""
+    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6."""
     if legacy:
         return needed_version(types, weighted)
     return max(FORMAT_VERSION, needed_version(types, weighted))
@@ -306,6 +311,7 @@ def _plan(p: Any, width: int, what: str) -> int:
     if not isinstance(p["exact"], bool):
         raise CalibrationError(f"{what} 'exact' must be true or false; the file is corrupt")
     for c in _list(p.get("clips", []), f"{what} clips", MAX_FEATURES):
-        if not 0 < _number(c, f"{what} clip") <= 1:
-            raise CalibrationError(f"{what}: clips must lie in (0, 1]; the file is corrupt")
+        # clips lie in (0, 1], a fixed-step group's step is any positive float (the plan checks which is which)
+        if not 0 < _number(c, f"{what} clip") < 3.4e38:
+            raise CalibrationError(f"{what}: clips and steps must be positive floats; the file is corrupt")
     return len(segs)

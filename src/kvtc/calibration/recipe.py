@@ -8,8 +8,8 @@ tensors, same plans, same content hash. Across CPUs the float reductions of the 
 differ in the last bits, so an independently rebuilt calibration has another content hash and does not decode
 blobs the first one encoded (``CalibrationMismatch``): copy the calibration file instead.
 
-The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r9`` is ``Recipe()``,
-``r9u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
+The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r10`` is ``Recipe()``,
+``r10u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
 the token count), so a new default recipe is a new name and a new file.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import CalibrationError
 from ..layout import PCAGrouping
 from ..quant import DROP, TYPE_NAMES
-from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES
+from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES, R9_TYPES
 from .pca import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_RANK_CAP
 
 #: target ratios of a calibration; one basis serves all of them (the paper's 8/16/32/64 and points between,
@@ -64,10 +64,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # the labels whose loss gradients are measured: the text's own ("text": the empirical Fisher) or drawn from the
     # model ("model": the true Fisher, sampled)
     "sensitivity_labels": ("text", "model"),
-    # what a ratio's budget counts: each group's packed bits ("nominal", the paper's: the entropy coder's gain, about
-    # 1.1x, comes on top of the target) or the bits it is expected to store ("coded", ours: each component's symbol
-    # entropy on the calibration rows, so that a blob stores about its target)
-    "rate": ("coded", "nominal"),
+    # what a ratio's budget counts: the bits the plan's sections take as the codec stores them ("stored", ours: the DP
+    # counts each component's symbol entropy on the calibration rows, then each plan's budget is fitted so that its
+    # sections, entropy coded as in a blob, fit the target), the bits it is expected to store ("coded", ours: the
+    # symbol entropies alone) or each group's packed bits ("nominal", the paper's: the entropy coder's gain, about
+    # 1.1x, comes on top of the target)
+    "rate": ("stored", "coded", "nominal"),
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
     # first documents on ("first")
     "sampling": ("spread", "first"),
@@ -115,7 +117,7 @@ class Recipe:
     kv_split: str = "joint"
     value_weight: float = DEFAULT_VALUE_WEIGHT
     split_errors: str = "relative"
-    rate: str = "coded"
+    rate: str = "stored"
     sensitivity: str = "fisher"
     sensitivity_resolution: str = "feature"
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
@@ -221,8 +223,15 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: type (int1s included) with the DP's clips, budgets counting the expected stored bits (the coded rate), targets 6-64
 #: with 7.5 and 10 between; r9u: the same without weighting. (r8 counted packed bits without int1s; r7 took the
 #: corpus's first windows.)
-RECIPES: dict[str, Recipe] = {"r9": Recipe(), "r9u": Recipe(sensitivity="none")}
-DEFAULT_RECIPE = "r9"
-UNWEIGHTED_RECIPE = "r9u"
+#: r10 (now the default): r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without
+#: weighting.
+RECIPES: dict[str, Recipe] = {
+    "r10": Recipe(),
+    "r10u": Recipe(sensitivity="none"),
+    "r9": Recipe(types=R9_TYPES, rate="coded"),
+    "r9u": Recipe(types=R9_TYPES, rate="coded", sensitivity="none"),
+}
+DEFAULT_RECIPE = "r10"
+UNWEIGHTED_RECIPE = "r10u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

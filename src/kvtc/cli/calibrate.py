@@ -45,10 +45,11 @@ def add_calibrate(sub: Any) -> None:
     )
     p.add_argument(
         "--rate",
-        choices=("coded", "nominal"),
-        default="coded",
-        help="what a ratio's bit budget counts: coded: the bits each group is expected to store after entropy "
-        "coding, so that a blob stores about its target ratio and spends the coder's gain on quality (default); "
+        choices=("stored", "coded", "nominal"),
+        default="stored",
+        help="what a ratio's bit budget counts: stored: the bits the plan's sections take once entropy coded as in "
+        "a blob, measured on the calibration rows, so that a blob stores about its target ratio and spends the "
+        "coder's gain on quality (default); coded: each group's expected stored bits (its symbols' entropy) alone; "
         "nominal: the packed bits, the entropy coder's gain on top (the paper's rule)",
     )
     p.add_argument(
@@ -69,8 +70,8 @@ def add_calibrate(sub: Any) -> None:
         "--types",
         default="all",
         help="quantization types the DP may use, comma-separated: all (the default set: the paper's int2, int4, "
-        "fp8 plus our int3 and scale-only int1s, int2s, int3s, int4s, fp8s), paper (int2, int4, fp8 only), type "
-        "names, or a mix such as paper,int2s",
+        "fp8 plus our int3, scale-only int1s, int2s, int3s, int4s, fp8s and fixed-step int2f, int4f, int8f), r9 "
+        "(all but the fixed-step ones), paper (int2, int4, fp8 only), type names, or a mix such as paper,int2s",
     )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
@@ -136,7 +137,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}"
     )
     rate = (cal.stats.get("recipe") or {}).get("rate", "nominal")
-    print(f"  bit budgets count: {'expected stored bits (coded rate)' if rate == 'coded' else 'packed bits (nominal)'}")
+    counts = {"stored": "stored bits, measured (stored rate)", "coded": "expected stored bits (coded rate)"}
+    print(f"  bit budgets count: {counts.get(rate, 'packed bits (nominal)')}")
     used = sorted(
         {
             TYPE_NAMES[t]
@@ -169,15 +171,15 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
 
 def parse_types(spec: str) -> tuple[int, ...]:
     """Comma-separated ``all`` (the default set), ``paper`` and type names -> DP type codes, e.g. ``paper,int2s``."""
-    from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES
+    from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES, R9_TYPES
     from ..quant import DROP, TYPE_CODES
 
-    sets = {"all": DEFAULT_TYPES, "paper": PAPER_TYPES}
+    sets = {"all": DEFAULT_TYPES, "paper": PAPER_TYPES, "r9": R9_TYPES}
     names = [n.strip() for n in spec.split(",") if n.strip()]
     bad = [n for n in names if n not in sets and (n not in TYPE_CODES or TYPE_CODES[n] == DROP)]
     if bad or not names:
         raise KVTCError(
-            f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, paper, names from "
+            f"unknown quantization type(s) {', '.join(bad) or spec!r}; use all, r9, paper, names from "
             f"{', '.join(n for n, c in TYPE_CODES.items() if c != DROP)}, or a comma-separated mix (paper,int2s)"
         )
     return tuple(dict.fromkeys(c for n in names for c in sets.get(n, (TYPE_CODES.get(n, DROP),))))

@@ -32,7 +32,7 @@ class Bucket:
     columns: torch.Tensor  # [n, size] component indices
     plane_rows: torch.Tensor  # [n * size] rows of the type's plane, component-major
     param_rows: torch.Tensor  # [n] first row of each group in the params stream (its shift, or its scale)
-    clips: torch.Tensor | None = None  # [n] float32 encoder clips (None: all 1)
+    clips: torch.Tensor | None = None  # [n] float32 encoder clips or fixed steps (None: all 1)
 
     def device_clips(self, device: torch.device) -> torch.Tensor | None:
         if self.clips is None:
@@ -147,7 +147,7 @@ class Quantizer:
                 if param_rows(b.qtype) == 2:
                     params[pr] = shift.T
                     params[pr + 1] = scale.T
-                else:
+                elif param_rows(b.qtype) == 1:
                     params[pr] = scale.T
                 planes[b.qtype][b.plane_rows.to(dev)] = sym.permute(1, 2, 0).reshape(-1, n)
         with clock("pack"):
@@ -190,7 +190,9 @@ class Quantizer:
             for b in pl.buckets:
                 sym = planes[b.qtype][b.plane_rows.to(self.device)].reshape(-1, b.size, n).permute(2, 0, 1)
                 pr = b.param_rows.to(self.device)
-                if param_rows(b.qtype) == 2:
+                if param_rows(b.qtype) == 0:
+                    vals = dequantize(sym, None, None, b.qtype, 1.0 if b.clips is None else b.clips)
+                elif param_rows(b.qtype) == 2:
                     vals = dequantize(sym, params[pr].T, params[pr + 1].T, b.qtype)
                 else:
                     vals = dequantize(sym, None, params[pr].T, b.qtype)
@@ -221,8 +223,9 @@ class Quantizer:
         }
         for b in pl.buckets:
             kernels.unpack_dequantize(
-                coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale
-            )
+                coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale,
+                b.device_clips(self.device),
+            )  # fmt: skip
 
 
 def plan_layouts(calibration: Any, ratio: float) -> dict[str, list[PlanLayout]]:

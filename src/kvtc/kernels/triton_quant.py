@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import FP8, FP8_MAX, FP8_TYPES, INT2, INT4, SYMMETRIC, TYPE_BITS
+from ..quant import FIXED_HALF, FP8, FP8_MAX, FP8_TYPES, INT2, INT4, SYMMETRIC, TYPE_BITS
 
 _HALF_MAX = 65504.0
 #: the kernels' view of kvtc.quant.FP8_MAX (a Triton kernel reads only constexpr globals)
@@ -76,78 +76,102 @@ def _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB: tl.constexpr, BLOCK_T: 
 def _quantize_pack_kernel(
     x_ptr, stride_x, n, col0_ptr, row0_ptr, prow_ptr, ngroups, G, params_ptr, plane_ptr, plane_bytes, clip_ptr,
     IS_FP8: tl.constexpr, SYM: tl.constexpr, HAS_CLIP: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
-    PER: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr
+    PER: tl.constexpr, GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, FIXED: tl.constexpr,
+    HALF: tl.constexpr
 ):
     pid_t = tl.program_id(1)
     gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
     c = tl.arange(0, CH)
     t3 = t.to(tl.int64)[:, None, None]
     m3 = tmask[:, None, None] & gmask[None, :, None]
-
-    lo = tl.full((BLOCK_T, GPB), float("inf"), tl.float32)
-    hi = tl.full((BLOCK_T, GPB), float("-inf"), tl.float32)
-    for k in range(0, G, CH):
-        cols = col0[None, :, None] + k + c[None, None, :]
-        v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
-        lo = tl.minimum(lo, tl.min(v, axis=2))
-        hi = tl.maximum(hi, tl.max(v, axis=2))
-
-    if SYM:
-        sh = tl.zeros((BLOCK_T, GPB), tl.float32)
-        amp = tl.maximum(tl.maximum(-lo, hi), 0.0)
+    tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
+    if FIXED:  # the plan's step per group; no range parameters
         if HAS_CLIP:
-            amp = amp * tl.load(clip_ptr + gi, mask=gmask, other=1.0)[None, :]
-        if IS_FP8:
+            step = tl.load(clip_ptr + gi, mask=gmask, other=1.0)
+        else:
+            step = tl.full((GPB,), 1.0, tl.float32)
+        for k in range(0, G, CH):
+            cols = col0[None, :, None] + k + c[None, None, :]
+            v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(_rint(_div_rn(v, step[None, :, None])), -HALF * 1.0), HALF * 1.0)
+            sym = (q + HALF).to(tl.int32)
+            sym = tl.where(tmask[:, None, None], sym, 0)  # padding tokens are zero symbols
+            sym = tl.reshape(sym, (BLOCK_T, GPB * CH))
+            rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
+            rmask = tl.reshape(gmask[:, None] & (c[None, :] >= 0), (GPB * CH,))
+            if PER == 1:
+                optr = plane_ptr + rows[None, :] * plane_bytes + t.to(tl.int64)[:, None]
+                tl.store(optr, sym.to(tl.uint8), mask=tmask[:, None] & rmask[None, :])
+            else:
+                sym = tl.reshape(sym, (BLOCK_T // PER, PER, GPB * CH))
+                sh_bits = (tl.arange(0, PER) * BITS)[None, :, None]
+                out = tl.sum(sym << sh_bits, axis=1)
+                optr = plane_ptr + rows[None, :] * plane_bytes + tb.to(tl.int64)[:, None]
+                tl.store(optr, out.to(tl.uint8), mask=(tb < plane_bytes)[:, None] & rmask[None, :])
+    else:
+        lo = tl.full((BLOCK_T, GPB), float("inf"), tl.float32)
+        hi = tl.full((BLOCK_T, GPB), float("-inf"), tl.float32)
+        for k in range(0, G, CH):
+            cols = col0[None, :, None] + k + c[None, None, :]
+            v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
+            lo = tl.minimum(lo, tl.min(v, axis=2))
+            hi = tl.maximum(hi, tl.max(v, axis=2))
+
+        if SYM:
+            sh = tl.zeros((BLOCK_T, GPB), tl.float32)
+            amp = tl.maximum(tl.maximum(-lo, hi), 0.0)
+            if HAS_CLIP:
+                amp = amp * tl.load(clip_ptr + gi, mask=gmask, other=1.0)[None, :]
+            if IS_FP8:
+                scale = _half_up(_div_rn(amp, _FP8_MAX))
+            else:
+                scale = _half_up(_div_rn(amp * 2.0, LEVELS * 1.0))
+        elif IS_FP8:
+            shift = (tl.minimum(tl.maximum((hi + lo) * 0.5, -65504.0), 65504.0)).to(tl.float16)
+            sh = shift.to(tl.float32)
+            amp = tl.maximum(tl.maximum(hi - sh, sh - lo), 0.0)
             scale = _half_up(_div_rn(amp, _FP8_MAX))
         else:
-            scale = _half_up(_div_rn(amp * 2.0, LEVELS * 1.0))
-    elif IS_FP8:
-        shift = (tl.minimum(tl.maximum((hi + lo) * 0.5, -65504.0), 65504.0)).to(tl.float16)
-        sh = shift.to(tl.float32)
-        amp = tl.maximum(tl.maximum(hi - sh, sh - lo), 0.0)
-        scale = _half_up(_div_rn(amp, _FP8_MAX))
-    else:
-        shift = (tl.minimum(tl.maximum(lo, -65504.0), 65504.0)).to(tl.float16)
-        sh = shift.to(tl.float32)
-        scale = _half_up(_div_rn(tl.maximum(hi - sh, 0.0), LEVELS * 1.0))
-    s = scale.to(tl.float32)
-    pm = tmask[:, None] & gmask[None, :]
-    pptr = params_ptr + prow[None, :] * n + t.to(tl.int64)[:, None]
-    if SYM:
-        tl.store(pptr, scale, mask=pm)
-    else:
-        tl.store(pptr, shift, mask=pm)
-        tl.store(pptr + n, scale, mask=pm)
+            shift = (tl.minimum(tl.maximum(lo, -65504.0), 65504.0)).to(tl.float16)
+            sh = shift.to(tl.float32)
+            scale = _half_up(_div_rn(tl.maximum(hi - sh, 0.0), LEVELS * 1.0))
+        s = scale.to(tl.float32)
+        pm = tmask[:, None] & gmask[None, :]
+        pptr = params_ptr + prow[None, :] * n + t.to(tl.int64)[:, None]
+        if SYM:
+            tl.store(pptr, scale, mask=pm)
+        else:
+            tl.store(pptr, shift, mask=pm)
+            tl.store(pptr + n, scale, mask=pm)
 
-    pos = s > 0
-    s_safe = tl.where(pos, s, 1.0)
-    tb = pid_t * (BLOCK_T // PER) + tl.arange(0, BLOCK_T // PER)
-    for k in range(0, G, CH):
-        cols = col0[None, :, None] + k + c[None, None, :]
-        v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
-        y = _div_rn(v - sh[:, :, None], s_safe[:, :, None])
-        if SYM and not IS_FP8:
-            y = y + LEVELS * 0.5
-        y = tl.where(pos[:, :, None], y, 0.0)
-        if IS_FP8:
-            y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
-            sym = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-        else:
-            sym = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS * 1.0).to(tl.int32)
-        sym = tl.where(tmask[:, None, None], sym, 0)  # padding tokens are zero symbols
-        sym = tl.reshape(sym, (BLOCK_T, GPB * CH))
-        rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
-        rmask = tl.reshape(gmask[:, None] & (c[None, :] >= 0), (GPB * CH,))
-        if PER == 1:
-            out = sym
-            optr = plane_ptr + rows[None, :] * plane_bytes + t.to(tl.int64)[:, None]
-            tl.store(optr, out.to(tl.uint8), mask=tmask[:, None] & rmask[None, :])
-        else:
-            sym = tl.reshape(sym, (BLOCK_T // PER, PER, GPB * CH))
-            sh_bits = (tl.arange(0, PER) * BITS)[None, :, None]
-            out = tl.sum(sym << sh_bits, axis=1)  # [T/PER, GPB*CH]
-            optr = plane_ptr + rows[None, :] * plane_bytes + tb.to(tl.int64)[:, None]
-            tl.store(optr, out.to(tl.uint8), mask=(tb < plane_bytes)[:, None] & rmask[None, :])
+        pos = s > 0
+        s_safe = tl.where(pos, s, 1.0)
+        for k in range(0, G, CH):
+            cols = col0[None, :, None] + k + c[None, None, :]
+            v = tl.load(x_ptr + t3 * stride_x + cols, mask=m3, other=0.0).to(tl.float32)
+            y = _div_rn(v - sh[:, :, None], s_safe[:, :, None])
+            if SYM and not IS_FP8:
+                y = y + LEVELS * 0.5
+            y = tl.where(pos[:, :, None], y, 0.0)
+            if IS_FP8:
+                y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
+                sym = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                sym = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS * 1.0).to(tl.int32)
+            sym = tl.where(tmask[:, None, None], sym, 0)  # padding tokens are zero symbols
+            sym = tl.reshape(sym, (BLOCK_T, GPB * CH))
+            rows = tl.reshape(row0[:, None] + k + c[None, :], (GPB * CH,))
+            rmask = tl.reshape(gmask[:, None] & (c[None, :] >= 0), (GPB * CH,))
+            if PER == 1:
+                out = sym
+                optr = plane_ptr + rows[None, :] * plane_bytes + t.to(tl.int64)[:, None]
+                tl.store(optr, out.to(tl.uint8), mask=tmask[:, None] & rmask[None, :])
+            else:
+                sym = tl.reshape(sym, (BLOCK_T // PER, PER, GPB * CH))
+                sh_bits = (tl.arange(0, PER) * BITS)[None, :, None]
+                out = tl.sum(sym << sh_bits, axis=1)  # [T/PER, GPB*CH]
+                optr = plane_ptr + rows[None, :] * plane_bytes + tb.to(tl.int64)[:, None]
+                tl.store(optr, out.to(tl.uint8), mask=(tb < plane_bytes)[:, None] & rmask[None, :])
 # fmt: on
 
 
@@ -155,15 +179,23 @@ def _quantize_pack_kernel(
 @triton.jit
 def _unpack_dequantize_kernel(
     y_ptr, stride_y, n, col0_ptr, row0_ptr, prow_ptr, ngroups, G, params_ptr, plane_ptr, plane_bytes, cscale_ptr,
-    IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
-    GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, SCALE_OUT: tl.constexpr
+    step_ptr, IS_FP8: tl.constexpr, SYM: tl.constexpr, MASK: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+    GPB: tl.constexpr, CH: tl.constexpr, BLOCK_T: tl.constexpr, SCALE_OUT: tl.constexpr, FIXED: tl.constexpr,
+    HAS_STEP: tl.constexpr, HALF: tl.constexpr
 ):
     pid_t = tl.program_id(1)
     gi, gmask, col0, row0, prow, t, tmask = _tile(col0_ptr, row0_ptr, prow_ptr, ngroups, n, GPB, BLOCK_T)
     c = tl.arange(0, CH)
     pm = tmask[:, None] & gmask[None, :]
     pptr = params_ptr + prow[None, :] * n + t.to(tl.int64)[:, None]
-    if SYM:
+    if FIXED:
+        sh = tl.zeros((BLOCK_T, GPB, 1), tl.float32)
+        if HAS_STEP:
+            st = tl.load(step_ptr + gi, mask=gmask, other=1.0)
+        else:
+            st = tl.full((GPB,), 1.0, tl.float32)
+        sc = tl.zeros((BLOCK_T, GPB), tl.float32)[:, :, None] + st[None, :, None]
+    elif SYM:
         sh = tl.zeros((BLOCK_T, GPB, 1), tl.float32)
         sc = tl.load(pptr, mask=pm, other=0.0).to(tl.float32)[:, :, None]
     else:
@@ -189,7 +221,9 @@ def _unpack_dequantize_kernel(
         else:
             val = sym.to(tl.float32)
         # multiply, then add, each rounded (launched with fp fusion off): the CPU reference's arithmetic
-        if SYM:
+        if FIXED:
+            out = (val - HALF * 1.0) * sc
+        elif SYM:
             if not IS_FP8:
                 val = val - MASK * 0.5
             out = val * sc
@@ -230,7 +264,8 @@ def _run(kernel, t: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: 
     kernel[grid](
         t, t.stride(0), n, col0, row0, prow, ngroups, size, params, plane, plane.shape[1], *extra,
         IS_FP8=qtype in FP8_TYPES, SYM=qtype in SYMMETRIC, BITS=TYPE_BITS[qtype], PER=_per(qtype, packing),
-        GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, num_warps=4, **consts,
+        GPB=gpb, CH=ch, BLOCK_T=BLOCK_T, FIXED=qtype in FIXED_HALF, HALF=FIXED_HALF.get(qtype, 0), num_warps=4,
+        **consts,
     )
 
 
@@ -239,20 +274,22 @@ def quantize_pack(coeffs: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, 
                   clips: torch.Tensor | None = None) -> None:
     """Quantize the groups starting at columns ``col0`` of ``coeffs`` and write their symbols into ``plane``
     (rows ``row0 + 0..size-1``) and their shift/scale into ``params`` (rows ``prow``). ``clips``: float32 per
-    group (scale-only int types). In place."""
+    group (scale-only int types: the clip; fixed-step types: the step). In place."""
     _run(_quantize_pack_kernel, coeffs, col0, row0, prow, qtype, size, params, plane, packing,
          (clips if clips is not None else col0,), HAS_CLIP=clips is not None, LEVELS=(1 << TYPE_BITS[qtype]) - 1)
 
 
 def unpack_dequantize(out: torch.Tensor, col0: torch.Tensor, row0: torch.Tensor, prow: torch.Tensor, qtype: int,
                       size: int, params: torch.Tensor, plane: torch.Tensor, packing: str,
-                      col_scale: torch.Tensor | None = None) -> None:
+                      col_scale: torch.Tensor | None = None, steps: torch.Tensor | None = None) -> None:
     """Inverse of :func:`quantize_pack`: write the dequantized groups into columns of ``out`` ``[n, k]``.
     ``col_scale``: float32 ``[k]``; each value is then multiplied by its column's factor and clamped to ±448 (an
-    fp8 ``out``: coefficients ready for a scaled fp8 product, their scales folded into the basis)."""
+    fp8 ``out``: coefficients ready for a scaled fp8 product, their scales folded into the basis). ``steps``:
+    float32 per group, a fixed-step type's (None: 1; ignored by the other types)."""
+    fixed = qtype in FIXED_HALF and steps is not None
     _run(_unpack_dequantize_kernel, out, col0, row0, prow, qtype, size, params, plane, packing,
-         (col_scale if col_scale is not None else params,), MASK=(1 << TYPE_BITS[qtype]) - 1,
-         SCALE_OUT=col_scale is not None, enable_fp_fusion=False)
+         (col_scale if col_scale is not None else params, steps if fixed else params), MASK=(1 << TYPE_BITS[qtype]) - 1,
+         SCALE_OUT=col_scale is not None, HAS_STEP=fixed, enable_fp_fusion=False)
 # fmt: on
 
 
