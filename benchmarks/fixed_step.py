@@ -20,8 +20,9 @@ also stored with kvtc's own coders (one stream per type and one of range paramet
 holds those stored bits equal. Errors are the DP's: summed squared error in the weighted PCA space, over the energy
 of the rows. Budgets are the coded rate's (3% headroom), each kind at the target on its own.
 
-This is an upper-bound study of the plan space (no codec path codes fixed-step groups yet): it says how much lower
-the measured error could go at the same stored bits. Writes benchmarks/results/fixed_step_<model>[_<groups>].json
+This is an upper-bound study of the plan space, made before the codec had fixed-step groups: it says how much lower
+the measured error could go at the same stored bits (the codec's types ``int2f`` / ``int4f`` / ``int8f``, measured
+end to end by ``benchmarks/fixed_types.py``, came of it). Writes benchmarks/results/fixed_step_<model>[_<groups>].json
 and the section of that name in BENCHMARKS.md. Usage:
 ``python benchmarks/fixed_step.py [--model gemma3|smollm2] [--groups all|smallest|largest]``.
 """

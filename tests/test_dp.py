@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvtc.calibration.dp import (
+    DEFAULT_TYPES,
+    R9_TYPES,
     Plan,
     allocate,
     allocate_for_error,
@@ -289,8 +291,10 @@ def test_coded_rate_calibration_stores_its_target_and_spends_the_coders_gain_on_
     fit, held = x[:n], x[n:]
     kv = KVSlice(layout, held.reshape(1, n, 4, 2, 32), held.reshape(1, n, 4, 2, 32), torch.arange(n)[None])
     stored, errs = {}, {}
-    for rate in ("nominal", "coded"):
-        cal = fit_calibration(layout, [(fit, fit)], Recipe(ratios=(8, 16), rate=rate))
+    for rate in ("nominal", "coded", "stored"):
+        # nominal and coded with the r9 types; stored with the default ones (fixed-step types included)
+        types = DEFAULT_TYPES if rate == "stored" else R9_TYPES
+        cal = fit_calibration(layout, [(fit, fit)], Recipe(ratios=(8, 16), rate=rate, types=types))
         for r in (8, 16):
             codec = Codec(cal, ratio=r, sinks=0, window=0)
             blob = codec.encode(kv)
@@ -302,3 +306,7 @@ def test_coded_rate_calibration_stores_its_target_and_spends_the_coders_gain_on_
         # the DP keeps CODED_HEADROOM (3%) for the positions, the header and its estimate's error
         assert 0.97 * r <= stored["coded", r] < min(1.05 * r, stored["nominal", r]), stored
         assert errs["coded", r] < errs["nominal", r], errs
+        # the stored rate fits each plan's entropy-coded sections to the budget (STORED_HEADROOM, 5%, kept) on
+        # calibration rows the DP did not see: the blob meets its target, and its fixed-step groups lower the error
+        assert r <= stored["stored", r] < 1.1 * r, stored
+        assert errs["stored", r] < errs["coded", r], errs

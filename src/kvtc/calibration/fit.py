@@ -22,6 +22,7 @@ from .dp import ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
 from .pca import EXACT_MAX_FEATURES, CovarianceAccumulator, PCAResult, randomized_pca
 from .recipe import (
     CODED_HEADROOM,
+    STORED_HEADROOM,
     DEFAULT_RATIOS,
     DEFAULT_SENSITIVITY_FLOOR,
     DEFAULT_VALUE_WEIGHT,
@@ -178,7 +179,8 @@ def fit_calibration(
         energy: dict[str, float] = {}
         resid: dict[str, float] = {}
         kept_rows: dict[str, torch.Tensor] = {}
-        budgets = [budget_for_ratio(c.numel(), r) * (1 - CODED_HEADROOM if coded else 1) for r in ratios]
+        headroom = STORED_HEADROOM if recipe.rate == "stored" else CODED_HEADROOM if coded else 0.0
+        budgets = [budget_for_ratio(c.numel(), r) * (1 - headroom) for r in ratios]
         for kind in KINDS:
             pca = results[kind][g]
             sample, held = dp_sample[kind]
