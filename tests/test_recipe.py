@@ -116,7 +116,11 @@ def test_a_version_4_file_refuses_any_changed_byte(cal, tmp_path):
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
     # version 4, or 6 where the plans use fixed-step types (the default types): the same checksummed file
-    assert meta["version"] == cal.version in (FORMAT_VERSION, 6) and meta["hash"] == cal.hash and len(meta["checksum"]) == 64
+    assert (
+        meta["version"] == cal.version in (FORMAT_VERSION, 6)
+        and meta["hash"] == cal.hash
+        and len(meta["checksum"]) == 64
+    )
     # the eigenvalues are no part of the hash, but the checksum covers them
     start, _ = json.loads(data[8 : 8 + n])["keys.0.eigenvalues"]["data_offsets"]
     bad = bytearray(data)

@@ -22,12 +22,12 @@ from .dp import ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
 from .pca import EXACT_MAX_FEATURES, CovarianceAccumulator, PCAResult, randomized_pca
 from .recipe import (
     CODED_HEADROOM,
-    STORED_HEADROOM,
     DEFAULT_RATIOS,
     DEFAULT_SENSITIVITY_FLOOR,
     DEFAULT_VALUE_WEIGHT,
     KV_SPLITS,
     SENSITIVITY_RESOLUTIONS,
+    STORED_HEADROOM,
     Recipe,
 )
 
