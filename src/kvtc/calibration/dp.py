@@ -66,7 +66,7 @@ PAPER_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
 #: and the 1-bit int1s: with the coded rate it lowers next-token KL by a further 5-11% at 16x on both embedded
 #: models (BENCHMARKS.md "What a ratio's budget counts")
 #: (the r9 recipe's set) and the fixed-step int2f / int4f / int8f: no per-token range parameters, each component's
-#: step chosen from a ladder (BENCHMARKS.md "Fixed-step types in the codec")
+#: step chosen from a ladder (BENCHMARKS.md "Quality vs bytes on Gemma-3-270M", r10 against r9)
 R9_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S, INT1S)
 DEFAULT_TYPES: tuple[int, ...] = R9_TYPES + (INT2F, INT4F, INT8F)
 #: calibration rows on which errors are measured (ALGORITHM.md: 1,024 rows)

@@ -40,8 +40,8 @@ DEFAULT_VALUE_WEIGHT = 2.0
 CODED_HEADROOM = 0.03
 #: the same for the stored rate (``rate="stored"``), whose plans fit their budgets on held-out calibration rows: what
 #: is left is the positions and header and the distance between the calibration's text and the coded one (with 3%,
-#: Gemma-3-270M's plans stored 0.2-0.5% below their targets on Wikipedia windows, BENCHMARKS.md "Fixed-step types in
-#: the codec"), so a little more than the coded rate's
+#: Gemma-3-270M's plans stored 0.2-0.5% below their 8x, 16x and 24x targets on Wikipedia windows, BENCHMARKS.md
+#: "Quality vs bytes on Gemma-3-270M"), so a little more than the coded rate's
 STORED_HEADROOM = 0.05
 #: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
 #: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
