@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..calibration import Calibration, Plan, budget_for_ratio, ratio_key
-from ..calibration.dp import DEFAULT_TYPES, PAPER_TYPES, allocate, candidate_errors
+from ..calibration.dp import PAPER_TYPES, R9_TYPES, allocate, candidate_errors
 from ..quant import DROP, group_bits
 
 #: calibration rows: ``(key_rows, value_rows)`` chunks of ``[n, p]``, sinks excluded
@@ -29,9 +29,11 @@ GREEDY_SIZES: tuple[int, ...] = (16, 64, 256)
 
 
 def greedy_allocate(
-    coeffs: torch.Tensor, budget_bits: float, sizes: Sequence[int] = GREEDY_SIZES, types: Sequence[int] = DEFAULT_TYPES
+    coeffs: torch.Tensor, budget_bits: float, sizes: Sequence[int] = GREEDY_SIZES, types: Sequence[int] = R9_TYPES
 ) -> Plan:
-    """Greedy plan for ``coeffs [rows, k]`` (PCA coefficients) within ``budget_bits`` per token."""
+    """Greedy plan for ``coeffs [rows, k]`` (PCA coefficients) within ``budget_bits`` per token, at packed cost (the
+    default types have a fixed cost per group: the fixed-step types, whose steps the DP chooses per component, are
+    not the greedy's to use)."""
     k = coeffs.shape[1]
     drop, errs = candidate_errors(coeffs, sizes, types)
     drop = drop.double()
