@@ -3,8 +3,9 @@
 ``int2f`` / ``int4f`` / ``int8f`` (:mod:`kvtc.quant`) code a PCA coefficient as ``clamp(round(x / step), -h, h)``
 with one step per component fixed at calibration time, and no per-token range parameters; the DP chooses each
 kept component's step from a ladder, costing every rung by its expected stored bits (``benchmarks/fixed_step.py``
-measured the plan-space headroom). Two calibrations from the same ``--tokens`` rows of the pre-2000 speeches and the
-same sensitivity: the previous default types, and those plus the fixed-step types; each codes the middle tokens of
+measured the plan-space headroom). Three calibrations from the same ``--tokens`` rows of the pre-2000 speeches and the
+same sensitivity: the previous default recipe (r9: its types, coded rate), the same types with the stored rate, and
+r10 (those types plus the fixed-step ones, stored rate); each codes the middle tokens of
 ``--windows`` windows of 2,048 + 256 tokens of the speeches from 2000 on and of Wikipedia (the windows ``kvtc eval``
 scores, seed 0). Writes benchmarks/results/fixed_types_<model>.json and that section of BENCHMARKS.md. Usage:
 ``python benchmarks/fixed_types.py [--model gemma3|smollm2] [--windows 4] [--tokens 30000]``.
@@ -87,7 +88,7 @@ def markdown(result: dict) -> str:
         f"### Fixed-step types in the codec ({result['model']})",
         "",
         f"`{result['command']}` — {result['machine']['date']}, {result['seconds'] / 60:.1f} min. Storage round trip "
-        f"of {result['windows']} windows of 2,048 + 256 tokens of each held-out text. Two calibrations from the same "
+        f"of {result['windows']} windows of 2,048 + 256 tokens of each held-out text. Three calibrations from the same "
         f"{result['tokens']:,} tokens of pre-2000 speeches and the same sensitivity: the previous default recipe "
         '(r9), the same with budgets fitted to the bits its sections store (`rate="stored"`), and r10, which adds '
         "the fixed-step types `int2f` / `int4f` / `int8f` (fitted in "
