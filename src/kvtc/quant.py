@@ -27,7 +27,7 @@ fraction of a bit, and the DP chooses each component's step from a ladder by its
 int3 (ours) fills the gap between int2 and int4, where the DP otherwise mixes the two. int1s (ours; in the DP's
 default set since the coded rate) keeps a coefficient's sign, ``±c·max|x|`` (the best clip is near the group's mean ``|x|``):
 1.25 bits a component in a group of 64, for tails the other types would drop. Which types a calibration
-may use is the DP's choice (``kvtc.calibration.dp.DEFAULT_TYPES``; the paper's set is ``PAPER_TYPES``).
+may use is the DP's choice (``kvtc.calibration.plan.DEFAULT_TYPES``; the paper's set is ``PAPER_TYPES``).
 
 The functions below are the single definition of the quantizer: the bit allocator measures its errors with them
 and the codec encodes with them (the GPU kernels reproduce them bit for bit), so predicted and achieved errors

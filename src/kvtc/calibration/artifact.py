@@ -32,7 +32,7 @@ from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
 from .digest import content_hash, decoding_hash
-from .dp import Plan
+from .plan import Plan
 from .meta import FORMAT_VERSION, READ_VERSIONS, needed_version, parse_json, saved_version, validate_meta
 from .pca import PCAResult
 

@@ -22,6 +22,9 @@ Table: ``best[j, b]`` = least error of coding components ``[0, j)`` with exactly
 ``choice[j, b]`` the candidate that ended there. A unit is 2 bits (every nominal cost is even; 1 bit for coded
 costs, rounded up) unless the budget would need more than ``max_columns`` units; then costs are rounded *up* to a
 coarser unit, so a plan never exceeds its budget, at the price of exactness (recorded in the plan).
+
+The plan space (sizes, type sets, the fixed-step ladder) and :class:`Plan` are in :mod:`kvtc.calibration.plan`
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -35,172 +38,26 @@ import numpy as np
 import torch
 
 from ..errors import CalibrationError
-from ..quant import (
-    DROP,
-    FIXED_TYPES,
-    FP8,
-    FP8S,
-    INT1S,
-    INT2,
-    INT2F,
-    INT2S,
-    INT3,
-    INT3S,
-    INT4,
-    INT4F,
-    INT4S,
-    INT8F,
-    TYPE_NAMES,
-    best_clips,
-    clippable,
-    coded_bits,
-    group_bits,
-    squared_error,
+from ..quant import DROP, FIXED_TYPES, best_clips, clippable, coded_bits, group_bits, squared_error
+from .plan import (  # noqa: F401  (re-exported: the plan space is part of the allocator's interface)
+    _VIRTUAL,
+    DEFAULT_SIZES,
+    DEFAULT_TYPES,
+    FIXED_RUNGS,
+    PAPER_TYPES,
+    R9_TYPES,
+    Plan,
+    _run_length,
+    fixed_ladder,
+    real_type,
 )
 
-#: the paper's group sizes and quantization types
-DEFAULT_SIZES: tuple[int, ...] = (1, 16, 64, 256, 1024)
-PAPER_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
-#: the default adds int3 and the scale-only types (ours): on SmolLM2 the DP's measured error at the same
-#: bits falls by about a fifth at 7-8x (BENCHMARKS.md, "Quantization types")
-#: and the 1-bit int1s: with the coded rate it lowers next-token KL by a further 5-11% at 16x on both embedded
-#: models (BENCHMARKS.md "What a ratio's budget counts")
-#: (the r9 recipe's set) and the fixed-step int2f / int4f / int8f: no per-token range parameters, each component's
-#: step chosen from a ladder (BENCHMARKS.md "Quality vs bytes on Gemma-3-270M", r10 against r9)
-R9_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S, INT1S)
-DEFAULT_TYPES: tuple[int, ...] = R9_TYPES + (INT2F, INT4F, INT8F)
 #: calibration rows on which errors are measured (ALGORITHM.md: 1,024 rows)
 DEFAULT_DP_ROWS = 1024
 #: widest budget axis before costs are coarsened
 DEFAULT_MAX_COLUMNS = 1 << 16
 #: what a candidate group costs: its packed bits (the paper's) or the bits the entropy coder is expected to store
 RATES: tuple[str, ...] = ("nominal", "coded")
-#: fixed-step candidates (ours): each component may take any step of a ladder ``top · 2^(-r/2)``, r < FIXED_RUNGS,
-#: ``top`` the largest standard deviation among the rows' components (rounded to float32)
-FIXED_RUNGS = 24
-#: candidate keys of fixed-step rungs: (1, _VIRTUAL + type * FIXED_RUNGS + rung); a plan stores the real type
-_VIRTUAL = 1 << 10
-
-
-def real_type(code: int) -> int:
-    """The quantization type of a DP candidate code (a fixed-step rung's code names its type)."""
-    return (code - _VIRTUAL) // FIXED_RUNGS if code >= _VIRTUAL else code
-
-
-def fixed_ladder(coeffs: torch.Tensor) -> torch.Tensor:
-    """The fixed-step candidates' steps for these ``[rows, k]`` coefficients: float32 ``[FIXED_RUNGS]``."""
-    top = float(coeffs.float().std(0).max()) if coeffs.shape[0] > 1 else float(coeffs.abs().max())
-    top = max(top, 1e-30)
-    return (top * 2.0 ** (-torch.arange(FIXED_RUNGS, dtype=torch.float64) / 2)).float()
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A bit plan for one PCA group: run-length ``segments`` of ``(size, type, repeat)`` in component order.
-
-    The segments cover components ``[0, num_components)``; every component past them is dropped.
-
-    ``predicted_error`` is the DP's summed squared error on its ``rows`` calibration rows (PCA space,
-    components beyond the basis excluded).
-
-    ``clips`` (ours): the encoder's clip of each *kept* group in component order (see :mod:`kvtc.quant`; below 1
-    only for scale-only int groups of more than one component), or a fixed-step group's step (any positive
-    float32); empty means 1 for every group.
-    """
-
-    segments: tuple[tuple[int, int, int], ...]
-    predicted_error: float = 0.0
-    rows: int = 0
-    exact: bool = True
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
-    clips: tuple[float, ...] = ()
-
-    def kept_clips(self) -> list[float]:
-        """The clip of every kept group, in component order."""
-        n = sum(rep for _, t, rep in self.segments if t != DROP)
-        return list(self.clips) if self.clips else [1.0] * n
-
-    def groups(self) -> list[tuple[int, int, int]]:
-        """Expanded ``(start, size, type)`` of every group, dropped ones included."""
-        out, pos = [], 0
-        for size, qtype, rep in self.segments:
-            for _ in range(rep):
-                out.append((pos, size, qtype))
-                pos += size
-        return out
-
-    @property
-    def num_components(self) -> int:
-        return sum(size * rep for size, _, rep in self.segments)
-
-    @property
-    def kept_components(self) -> int:
-        """One past the last component a kept group covers: the basis rows the plan needs."""
-        end = 0
-        for start, size, qtype in self.groups():
-            if qtype != DROP:
-                end = start + size
-        return end
-
-    @property
-    def bits_per_token(self) -> int:
-        return sum(group_bits(size, qtype) * rep for size, qtype, rep in self.segments)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "segments": [list(s) for s in self.segments],
-            "predicted_error": self.predicted_error,
-            "rows": self.rows,
-            "exact": self.exact,
-        }
-        if self.clips:
-            d["clips"] = list(self.clips)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any, num_components: int) -> Plan:
-        try:
-            segs = tuple((int(a), int(b), int(c)) for a, b, c in d["segments"])
-            plan = cls(
-                segments=segs,
-                predicted_error=float(d["predicted_error"]),
-                rows=int(d["rows"]),
-                exact=bool(d["exact"]),
-                clips=tuple(float(c) for c in d.get("clips", ())),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CalibrationError(f"malformed bit plan: {e!r}; recalibrate with `kvtc calibrate`") from None
-        for size, qtype, rep in segs:
-            if size <= 0 or rep <= 0 or qtype not in TYPE_NAMES:
-                raise CalibrationError(f"malformed bit plan segment {(size, qtype, rep)}")
-        if plan.num_components > num_components:
-            raise CalibrationError(
-                f"bit plan covers {plan.num_components} components, the basis has only {num_components}"
-            )
-        if any(start % size for start, size, _ in plan.groups()):
-            raise CalibrationError("bit plan has an unaligned group; the file is corrupt")
-        if plan.clips:
-            kept = [(size, t) for _, size, t in plan.groups() if t != DROP]
-            if len(plan.clips) != len(kept) or any(
-                not (0.0 < c < math.inf if t in FIXED_TYPES else 0.0 < c <= 1.0 and (c == 1.0 or clippable(t, size)))
-                for c, (size, t) in zip(plan.clips, kept)
-            ):
-                raise CalibrationError("bit plan has clips that do not fit its groups; the file is corrupt")
-        return plan
-
-
-def _run_length(groups: Sequence[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
-    """Run-length segments of ``(size, type)`` groups, trailing dropped components cut off."""
-    groups = list(groups)
-    while groups and groups[-1][1] == DROP:
-        groups.pop()
-    segs: list[list[int]] = []
-    for size, qtype in groups:
-        if segs and segs[-1][0] == size and segs[-1][1] == qtype:
-            segs[-1][2] += 1
-        else:
-            segs.append([size, qtype, 1])
-    return tuple(tuple(s) for s in segs)  # type: ignore[misc]
 
 
 def candidate_errors(

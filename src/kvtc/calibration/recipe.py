@@ -159,7 +159,7 @@ class Recipe:
         if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
             _bad("sizes", self.sizes, "give positive whole group sizes, e.g. sizes=(1, 16, 64)")
         object.__setattr__(self, "sizes", tuple(sizes))
-        types = _numbers("types", self.types, "quantization type codes, e.g. kvtc.calibration.dp.PAPER_TYPES")
+        types = _numbers("types", self.types, "quantization type codes, e.g. kvtc.calibration.plan.PAPER_TYPES")
         known = [c for c in TYPE_NAMES if c != DROP]
         if not types or not all(isinstance(t, int) and t in known for t in types):
             _bad("types", self.types, f"give quantization type codes among {known} (kvtc.quant; dropping is implied)")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..calibration.dp import Plan
+from ..calibration.plan import Plan
 from ..quant import CODED_TYPES, DROP, TYPE_BITS, TYPE_NAMES, dequantize, param_rows, quantize
 from .buffers import from_le, le_bytes, section_tensor
 from .clock import Clock
