@@ -1,4 +1,4 @@
-"""Fixed-step quantization types (int2f / int4f / int8f): quantizer semantics, the DP's rung candidates against an
+"""Fixed-step quantization types (int2f / int4f / int8f): quantizer semantics, decode gains, the DP's rung candidates against an
 exhaustive search, plan validation and the calibration file version that holds them."""
 
 from __future__ import annotations
@@ -149,4 +149,101 @@ def test_a_calibration_with_fixed_step_plans_is_version_6_and_a_lower_claim_is_r
     assert meta["version"] == 6
     meta["version"] = 5
     with pytest.raises(CalibrationError, match="version-5 calibration whose plans or scales need version 6"):
+        Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
+
+
+def test_decode_gain_is_the_least_squares_factor_and_never_raises_the_error():
+    from kvtc.quant import fixed_gains
+
+    torch.manual_seed(11)
+    # heavy-tailed components (Laplacian) at steps from fine to coarse: a coarse bin's midpoint overshoots
+    scales = torch.linspace(0.2, 2.0, 6)
+    x = torch.distributions.Laplace(0.0, 1.0).sample((4096, 6)).mul(scales).unsqueeze(-1)
+    for t in FIXED:
+        for step in (0.05, 0.5, 2.0, 6.0):
+            a, err = fixed_gains(x, t, step)
+            mid = squared_error(x, t, step)
+            assert bool((err <= mid * (1 + 1e-12)).all())
+            sym, _, _ = quantize(x, t, step)
+            q = (sym.double() - FIXED_HALF[t]) * step
+            for da in (-1e-3, 1e-3):  # a is the minimum of the error along the gain
+                e2 = (x.double() - q * (a.double() + da).unsqueeze(-1)).square().sum(dim=(0, 2))
+                assert bool((e2 >= err * (1 - 1e-9)).all())
+            coarse = (step >= 3 * scales) & (step <= 8 * scales)  # nonzero bins hold the tail, midpoints beyond it
+            if coarse.any():
+                assert bool((a[coarse] < 1).all()) and bool((err[coarse] < 0.95 * mid[coarse]).all())
+            # the energy rule keeps each component's energy where some symbol is nonzero
+            ae, ee = fixed_gains(x, t, step, "energy")
+            kept = (q != 0).any(0).squeeze(-1)
+            energy = (q * ae.double().unsqueeze(-1)).square().sum(dim=(0, 2))
+            assert torch.allclose(energy[kept], x.double().square().sum(dim=(0, 2))[kept], rtol=1e-5)
+            assert bool((ee >= err * (1 - 1e-9)).all())  # at more error than the least-squares gain
+    with pytest.raises(ValueError, match="fixed-step"):
+        fixed_gains(x, INT2, 1.0)
+    with pytest.raises(ValueError, match="rule"):
+        fixed_gains(x, INT2F, 1.0, "centroid")
+
+
+def test_gains_lower_the_dp_error_at_the_same_coded_bits_and_only_on_fixed_step_groups():
+    torch.manual_seed(5)
+    coeffs = torch.distributions.Laplace(0.0, 1.0).sample((1024, 96)) * torch.logspace(0, -2, 96)
+    mid = error_curve(coeffs, 192, rate="coded", types=(INT2, INT4S, *FIXED))
+    gain = error_curve(coeffs, 192, rate="coded", types=(INT2, INT4S, *FIXED), reconstruction="least-squares")
+    for bits in (24, 48, 96, 192):
+        assert gain.error(bits) < 0.99 * mid.error(bits)
+        plan = gain.plan(bits)
+        assert plan.meta["coded_bits"] <= bits and plan.gains
+        for (_, _, t), a in zip([gr for gr in plan.groups() if gr[2]], plan.kept_gains()):
+            assert (a != 1.0) <= (t in FIXED) and a > 0
+    with pytest.raises(CalibrationError, match="reconstruction"):
+        error_curve(coeffs, 64, reconstruction="centroid")
+
+
+def test_plans_with_bad_gains_are_refused():
+    good = Plan(((16, INT4S, 1), (1, INT4F, 2)), clips=(1.0, 0.25, 3.5), gains=(1.0, 0.8, 1.0))
+    assert Plan.from_dict(good.to_dict(), 64) == good
+    for gains in ((1.0, 0.0, 1.0), (1.0, -0.5, 1.0), (1.0, float("inf"), 1.0), (1.0, 0.8), (0.9, 0.8, 1.0)):
+        bad = dataclasses.replace(good, gains=gains).to_dict()
+        with pytest.raises(CalibrationError, match="gains"):
+            Plan.from_dict(bad, 64)
+
+
+def test_a_calibration_with_decode_gains_is_version_7_decodes_as_the_reference_and_a_lower_claim_is_refused():
+    from kvtc.codec import Codec
+    from reference import roundtrip
+    from synthetic import make_slice
+
+    layout = KVLayout(layers=(0, 1), num_kv_heads=2, head_dim=16, dtype="float32")
+    p = layout.num_features
+    ks, vs = LowRankSource(p, decay=1e-2, seed=0), LowRankSource(p, decay=1e-2, seed=1)
+    k, v = ks.rows(2048), vs.rows(2048)
+    recipe = Recipe(ratios=(8, 16), dp_rows=512, types=(INT2, INT4S, *FIXED), reconstruction="least-squares")
+    cal = fit_calibration(layout, [(k, v)], recipe)
+    assert cal.gains and cal.version == 7
+    plain = fit_calibration(layout, [(k, v)], recipe.replace(reconstruction="midpoint"))
+    assert not plain.gains and plain.version == 6
+    data = cal.to_bytes()
+    back = Calibration.from_bytes(data)
+    assert back.hash == cal.hash and back.plans == cal.plans and back.hash != plain.hash
+    # the codec decodes fixed-step groups at step · gain, as the float64 reference does, and that lowers the error
+    kr, vr = ks.rows(500), vs.rows(500)
+    for r in (8, 16):
+        codec = Codec(back, ratio=r, sinks=0, window=0)
+        out = codec.decode(codec.encode(make_slice(layout, kr, vr)))
+        for kind, rows, rec in (("keys", kr, out.keys), ("values", vr, out.values)):
+            pca = back.pcas[kind][0]
+            plan = back.plan(r, kind, 0)
+            ref = roundtrip(rows, pca.mean, pca.basis, plan)
+            ref_err = float((ref - rows.double()).square().sum())
+            got = rec.reshape(500, -1).double()
+            assert float((got - ref).square().sum()) <= 1e-2 * ref_err + 1e-9 * float(rows.double().square().sum())
+            at_midpoints = roundtrip(rows, pca.mean, pca.basis, dataclasses.replace(plan, gains=()))
+            if plan.gains:
+                assert ref_err < float((at_midpoints - rows.double()).square().sum())
+    from test_sensitivity import _meta, _with_meta
+
+    meta = json.loads(_meta(data))
+    assert meta["version"] == 7
+    meta["version"] = 6
+    with pytest.raises(CalibrationError, match="version-6 calibration whose plans or scales need version 7"):
         Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))

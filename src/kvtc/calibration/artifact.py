@@ -32,9 +32,9 @@ from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
 from .digest import content_hash, decoding_hash
-from .plan import Plan
 from .meta import FORMAT_VERSION, READ_VERSIONS, needed_version, parse_json, saved_version, validate_meta
 from .pca import PCAResult
+from .plan import Plan
 
 FORMAT_NAME = "kvtc-calibration"
 KINDS = ("keys", "values")
@@ -184,6 +184,11 @@ class Calibration:
         return frozenset(t for by in self.plans.values() for k in KINDS for pl in by[k] for _, t, _ in pl.segments)
 
     @property
+    def gains(self) -> bool:
+        """True when some plan decodes fixed-step groups at fitted gains (format version 7)."""
+        return any(pl.gains for by in self.plans.values() for k in KINDS for pl in by[k])
+
+    @property
     def extended_types(self) -> bool:
         """True when some plan uses a quantization type beyond the paper's (format version 3)."""
         return needed_version(self.types, False) >= 3
@@ -191,7 +196,7 @@ class Calibration:
     @property
     def version(self) -> int:
         """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
-        return saved_version(self.types, self.weighted, self.legacy)
+        return saved_version(self.types, self.weighted, self.legacy, self.gains)
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -354,7 +359,7 @@ class Calibration:
             raise CalibrationError(
                 f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`"
             ) from None
-        needed = needed_version(cal.types, cal.weighted)
+        needed = needed_version(cal.types, cal.weighted, cal.gains)
         if meta.get("version", 0) < needed:
             raise CalibrationError(
                 f"{source}: a version-{meta.get('version')} calibration whose plans or scales need version "
