@@ -3,15 +3,14 @@
 Written independently of kvtc.codec: per-group Python loops, float64 arithmetic, the quantizer
 semantics spelled out from ALGORITHM.md (fp16 shift and scale, scale rounded up so the range is covered) and,
 for the scale-only types, from kvtc.quant's docstring (levels at (q - L/2)·scale, scale = 2·max|x|/L); for the
-fixed-step types, q = clamp(round(x / step), -h, h) with the plan's step, no range parameters, decoded at
-q · (step · gain) with the plan's decode gain (float32 product, 1 without gains).
+fixed-step types, q = clamp(round(x / step), -h, h) with the plan's step, no range parameters.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtc.calibration.plan import Plan
+from kvtc.calibration.dp import Plan
 from kvtc.quant import DROP, FP8, FP8S, INT1S, INT2, INT2F, INT2S, INT3, INT3S, INT4, INT4F, INT4S, INT8F
 
 F16_MAX = 65504.0
@@ -23,14 +22,13 @@ def _f16_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(h < x, nxt, h)
 
 
-def quantize_dequantize(x: torch.Tensor, qtype: int, clip: float = 1.0, gain: float = 1.0) -> torch.Tensor:
+def quantize_dequantize(x: torch.Tensor, qtype: int, clip: float = 1.0) -> torch.Tensor:
     """x: [tokens, size] float64 -> reconstruction, float64. ``clip``: the encoder's clip of a scale-only int group,
-    or a fixed-step group's step; ``gain``: a fixed-step group's decode gain."""
+    or a fixed-step group's step."""
     if qtype in (INT2F, INT4F, INT8F):
         half = {INT2F: 1, INT4F: 7, INT8F: 127}[qtype]
-        step = torch.tensor(clip, dtype=torch.float32)
-        decode = float(step * torch.tensor(gain, dtype=torch.float32))
-        return (x / float(step)).round().clamp(-half, half) * decode
+        step = float(torch.tensor(clip, dtype=torch.float32))
+        return (x / step).round().clamp(-half, half) * step
     lo = x.min(dim=1).values
     hi = x.max(dim=1).values
     if qtype in (INT1S, INT2S, INT3S, INT4S):
@@ -73,9 +71,8 @@ def roundtrip(rows: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, plan:
     d = (x - mean.double()) @ b.T
     dhat = torch.zeros_like(d)
     clips = iter(plan.kept_clips())
-    gains = iter(plan.kept_gains())
     for start, size, qtype in plan.groups():
         if qtype == DROP:
             continue
-        dhat[:, start : start + size] = quantize_dequantize(d[:, start : start + size], qtype, next(clips), next(gains))
+        dhat[:, start : start + size] = quantize_dequantize(d[:, start : start + size], qtype, next(clips))
     return dhat @ b + mean.double()

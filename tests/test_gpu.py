@@ -354,27 +354,17 @@ def test_one_bit_plans_code_the_same_on_both_devices(setup, precision):
             assert float((x.float() - r.float()).square().sum()) <= 1e-2 * energy  # same symbols, a few aside
 
 
-@pytest.mark.parametrize("gains", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
-def test_fixed_step_plans_code_the_same_on_both_devices(setup, precision, gains):
-    """A plan with fixed-step groups (no range parameters; each group's step from the plan, with or without decode
-    gains): the GPU encoder writes blobs the CPU decodes, and every restore path agrees with the CPU decode."""
+def test_fixed_step_plans_code_the_same_on_both_devices(setup, precision):
+    """A plan with fixed-step groups (no range parameters; each group's step from the plan): the GPU encoder writes
+    blobs the CPU decodes, and every restore path agrees with the CPU decode."""
     _kernels()
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no fp8 tensor cores")
     cal, kv = setup
     plan = Plan(((16, INT4S, 1), (1, INT8F, 4), (1, INT4F, 12), (1, INT2F, 20)),
-                clips=(1.0, *[0.01 * 1.3**i for i in range(36)]),
-                gains=(1.0, *[0.6 + 0.01 * i for i in range(36)]) if gains else ())  # fmt: skip
+                clips=(1.0, *[0.01 * 1.3**i for i in range(36)]))  # fmt: skip
     hand = dataclasses.replace(cal, plans={"8": {"keys": [plan], "values": [plan]}})
-    if gains:  # the gains change the decode (so agreeing below means the GPU applies them)
-        plain = dataclasses.replace(cal, plans={"8": {"keys": [dataclasses.replace(plan, gains=())], "values": [
-            dataclasses.replace(plan, gains=())]}})  # fmt: skip
-        with_gains, without = (
-            Codec(c, ratio=8, backend="huff4k").decode(Codec(c, ratio=8, backend="huff4k").encode(kv)).keys.float()
-            for c in (hand, plain)
-        )
-        assert float((with_gains - without).square().sum()) > 1e-4 * float(without.square().sum())
     cpu = Codec(hand, ratio=8, backend="huff4k")
     gpu = Codec(hand, ratio=8, device="cuda", precision=precision, backend="huff4k")
     blob_cpu, blob_gpu = cpu.encode(kv), gpu.encode(_cuda(kv))

@@ -226,35 +226,6 @@ def squared_error(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0)
     return err.square().sum(dim=(0, 2))
 
 
-def fixed_gains(
-    x: torch.Tensor, qtype: int, step: float | torch.Tensor, rule: str = "least-squares"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode gains of fixed-step groups (ours): for each group of ``x`` [tokens, groups, 1] quantized with ``step``,
-    the factor ``a`` that makes ``a · q · step`` the least-squares reconstruction of the symbols' ``q``, and the summed
-    squared error at that factor (``[groups]`` float32 gains, float64 errors).
-
-    A coarse step's midpoint reconstruction ``q · step`` lies far out in the tail its bin covers; decoding at
-    ``a · step`` (``a < 1`` there) moves it toward the values the bin holds, at no cost in bits (the symbols do not
-    change). With ``rule="energy"`` the factor instead makes the reconstruction's energy that of ``x``, ``a² Σ q² =
-    Σ x²`` (no component's reconstruction shrinks below its values' spread). ``a`` is 1 where no symbol is nonzero."""
-    if qtype not in FIXED_TYPES:
-        raise ValueError(f"decode gains need a fixed-step type, got {TYPE_NAMES.get(qtype, qtype)}")
-    steps = _steps(step, x.device).double()
-    sym, _, _ = quantize(x, qtype, step)
-    q = (sym.double() - FIXED_HALF[qtype]) * steps  # midpoint reconstruction
-    xd = x.double()
-    den = q.square().sum(dim=(0, 2))
-    if rule == "least-squares":
-        num = (xd * q).sum(dim=(0, 2)) / den.clamp(min=1e-300)
-    elif rule == "energy":
-        num = (xd.square().sum(dim=(0, 2)) / den.clamp(min=1e-300)).sqrt()
-    else:
-        raise ValueError(f"unknown gain rule {rule!r}")
-    a = torch.where(den > 0, num, torch.ones_like(den)).float()
-    err = (xd - q * a.double().unsqueeze(-1)).square().sum(dim=(0, 2))
-    return a, err
-
-
 def best_clips(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each group of ``x`` [tokens, groups, size]: the clip of :data:`CLIPS` with the least summed squared
     error, and that error (``[groups]`` float32 clips, float64 errors; all 1.0 when the type cannot clip)."""

@@ -184,11 +184,6 @@ class Calibration:
         return frozenset(t for by in self.plans.values() for k in KINDS for pl in by[k] for _, t, _ in pl.segments)
 
     @property
-    def gains(self) -> bool:
-        """True when some plan decodes fixed-step groups at fitted gains (format version 7)."""
-        return any(pl.gains for by in self.plans.values() for k in KINDS for pl in by[k])
-
-    @property
     def extended_types(self) -> bool:
         """True when some plan uses a quantization type beyond the paper's (format version 3)."""
         return needed_version(self.types, False) >= 3
@@ -196,7 +191,7 @@ class Calibration:
     @property
     def version(self) -> int:
         """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
-        return saved_version(self.types, self.weighted, self.legacy, self.gains)
+        return saved_version(self.types, self.weighted, self.legacy)
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -359,7 +354,7 @@ class Calibration:
             raise CalibrationError(
                 f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`"
             ) from None
-        needed = needed_version(cal.types, cal.weighted, cal.gains)
+        needed = needed_version(cal.types, cal.weighted)
         if meta.get("version", 0) < needed:
             raise CalibrationError(
                 f"{source}: a version-{meta.get('version')} calibration whose plans or scales need version "

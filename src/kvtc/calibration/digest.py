@@ -2,8 +2,8 @@
 
 * ``hash`` names the calibration: blobs carry it (a blob is decoded only with the calibration that encoded it) and
   stores key their namespaces by it. From format version 4 it is :func:`decoding_hash`, the SHA-256 of exactly
-  what decoding depends on: layout, PCA grouping, RoPE spec, every plan's segments, clips and decode gains (the
-  gains only where a plan has them; by ratio, kind and group) and the ``mean``, ``basis`` and ``scale`` tensors. Statistics, timings, corpus notes, model id, library
+  what decoding depends on: layout, PCA grouping, RoPE spec, every plan's segments and clips (by ratio, kind and
+  group) and the ``mean``, ``basis`` and ``scale`` tensors. Statistics, timings, corpus notes, model id, library
   version, eigenvalues, ``total_variance``/``samples`` and the DP's predicted errors are left out, so
   recalibrating the same recipe on the same data gives the same hash.
 * ``checksum`` (version 4) guards the file: :func:`content_hash` over all the metadata but the checksum itself
@@ -57,12 +57,7 @@ def decoding_hash(
         "plans": {
             key: {
                 kind: [
-                    {
-                        "segments": [list(seg) for seg in pl.segments],
-                        "clips": pl.kept_clips(),
-                        **({"gains": pl.kept_gains()} if pl.gains else {}),
-                    }
-                    for pl in by_kind[kind]
+                    {"segments": [list(seg) for seg in pl.segments], "clips": pl.kept_clips()} for pl in by_kind[kind]
                 ]
                 for kind in KINDS
             }

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CalibrationError
-from ..quant import DROP, FIXED_TYPES, best_clips, clippable, coded_bits, fixed_gains, group_bits, squared_error
+from ..quant import DROP, FIXED_TYPES, best_clips, clippable, coded_bits, group_bits, squared_error
 from .plan import (  # noqa: F401  (re-exported: the plan space is part of the allocator's interface)
     _VIRTUAL,
     DEFAULT_SIZES,
@@ -58,10 +58,6 @@ DEFAULT_DP_ROWS = 1024
 DEFAULT_MAX_COLUMNS = 1 << 16
 #: what a candidate group costs: its packed bits (the paper's) or the bits the entropy coder is expected to store
 RATES: tuple[str, ...] = ("nominal", "coded")
-#: how fixed-step groups are decoded: at ``q · step`` (their bins' midpoints) or at ``a · q · step`` with a gain ``a``
-#: per component fitted on the calibration rows (ours, :func:`kvtc.quant.fixed_gains`; the plan carries it): the
-#: least-squares gain, or the one that keeps each component's energy
-RECONSTRUCTIONS: tuple[str, ...] = ("midpoint", "least-squares", "energy")
 
 
 def candidate_errors(
@@ -70,8 +66,6 @@ def candidate_errors(
     types: Sequence[int] = DEFAULT_TYPES,
     clips: dict[tuple[int, int], torch.Tensor] | None = None,
     costs: dict[tuple[int, int], torch.Tensor] | None = None,
-    gains: dict[tuple[int, int], torch.Tensor] | None = None,
-    gain_rule: str = "least-squares",
 ) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
     """Measured errors of every candidate group.
 
@@ -80,8 +74,6 @@ def candidate_errors(
     fill), a clippable candidate gets its best clip per aligned group (:func:`kvtc.quant.best_clips`), recorded
     there, and the error at that clip; without, every group is measured unclipped. With ``costs`` (a dict to
     fill), each aligned group's expected stored bits at that clip (:func:`kvtc.quant.coded_bits`) are recorded there.
-    With ``gains`` (a dict to fill), each fixed-step candidate is measured decoded at its gain by ``gain_rule``
-    (:func:`kvtc.quant.fixed_gains`), recorded there; without, at its midpoint (gain 1).
     """
     if coeffs.dim() != 2:
         raise CalibrationError(f"coefficient rows must be [rows, k], got {tuple(coeffs.shape)}")
@@ -98,10 +90,7 @@ def candidate_errors(
         for t in fixed:
             for r, step in enumerate(ladder.tolist()):
                 key = (1, _VIRTUAL + t * FIXED_RUNGS + r)
-                if gains is not None:
-                    gains[key], errs[key] = fixed_gains(x, t, step, gain_rule)
-                else:
-                    errs[key] = squared_error(x, t, step)
+                errs[key] = squared_error(x, t, step)
                 if clips is not None:
                     clips[key] = torch.full((k,), step, dtype=torch.float32)
                 if costs is not None:
@@ -257,8 +246,6 @@ class ErrorCurve:
     #: coded rate: each aligned group's cost in units and expected stored bits, per (size, type); empty: nominal
     group_units: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
     coded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    #: fixed-step candidates' decode gains per (size, type) (``reconstruction`` not midpoint); empty: midpoints
-    gains: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def units(self, budget_bits: float) -> int:
         return int(min(budget_bits // self.unit, self.best.size - 1))
@@ -270,11 +257,10 @@ class ErrorCurve:
         b = int(self.at[self.units(budget_bits)])
         groups = _backtrack(self.choice, self.cands, b, self.group_units)
         segments = _run_length([(g, real_type(t)) for g, t in groups])
-        clips, gains, start, coded = [], [], 0, 0.0
+        clips, start, coded = [], 0, 0.0
         for g, t in groups:
             if t != DROP:
                 clips.append(float(self.clips[(g, t)][start // g]) if (g, t) in self.clips else 1.0)
-                gains.append(float(self.gains[(g, t)][start // g]) if (g, t) in self.gains else 1.0)
                 coded += float(self.coded[(g, t)][start // g]) if self.coded else 0.0
             start += g
         if self.coded:
@@ -286,7 +272,6 @@ class ErrorCurve:
             exact=self.unit == (1 if self.coded else 2),
             meta={"budget_bits": budget_bits, "unit_bits": self.unit, **meta},
             clips=tuple(clips) if any(c != 1.0 for c in clips) else (),
-            gains=tuple(gains) if any(a != 1.0 for a in gains) else (),
         )
 
 
@@ -297,27 +282,21 @@ def error_curve(
     types: Sequence[int] = DEFAULT_TYPES,
     max_columns: int = DEFAULT_MAX_COLUMNS,
     rate: str = "nominal",
-    reconstruction: str = "midpoint",
 ) -> ErrorCurve:
     """Solve the DP once for budgets up to ``max_budget_bits`` (see :class:`ErrorCurve`), each group costing its
-    packed bits (``rate="nominal"``) or its expected stored bits (``"coded"``, see the module docstring), fixed-step
-    groups decoded at their midpoints (``reconstruction="midpoint"``) or at fitted gains (``"least-squares"``,
-    ``"energy"``: :func:`kvtc.quant.fixed_gains`)."""
+    packed bits (``rate="nominal"``) or its expected stored bits (``"coded"``, see the module docstring)."""
     _check(coeffs, sizes)
     if rate not in RATES:
         raise CalibrationError(f"rate {rate!r} is not one of {', '.join(RATES)}")
-    if reconstruction not in RECONSTRUCTIONS:
-        raise CalibrationError(f"reconstruction {reconstruction!r} is not one of {', '.join(RECONSTRUCTIONS)}")
     clips: dict[tuple[int, int], torch.Tensor] = {}
     coded: dict[tuple[int, int], torch.Tensor] | None = {} if rate == "coded" else None
-    gains: dict[tuple[int, int], torch.Tensor] | None = {} if reconstruction != "midpoint" else None
-    drop, errs = candidate_errors(coeffs, sizes, types, clips, coded, gains, reconstruction)
+    drop, errs = candidate_errors(coeffs, sizes, types, clips, coded)
     last, choice, cands, unit, units = _solve(drop, errs, max_budget_bits, max_columns, coded)
     best = np.minimum.accumulate(last)
     # first unit count reaching each new minimum (ties: fewer bits)
     prev = np.concatenate([[np.inf], best[:-1]])
     at = np.maximum.accumulate(np.where(last < prev, np.arange(last.size), 0))
-    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]), clips, units, coded or {}, gains or {})
+    return ErrorCurve(best, at, choice, cands, unit, int(coeffs.shape[0]), clips, units, coded or {})
 
 
 def split_budget(

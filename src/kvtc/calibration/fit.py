@@ -189,10 +189,7 @@ def fit_calibration(
             energy[kind] = max(float(x.double().square().sum()), 1e-30)
             resid[kind] = max(energy[kind] - float(coeffs.double().square().sum()), 0.0)
             say(f"{kind}: bit allocation table for group {g}")
-            curves[kind] = error_curve(
-                coeffs, share * max(budgets), recipe.sizes, recipe.types, rate=dp_rate,
-                reconstruction=recipe.reconstruction,
-            )  # fmt: skip
+            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types, rate=dp_rate)
             if recipe.rate == "stored":
                 # held-out rows: the DP's own rows would flatter its choices (each rung was picked where it was cheap)
                 kept_rows[kind] = (held[:, c] - pca.mean) @ pca.basis.T if held.shape[0] >= 2 else coeffs

@@ -59,32 +59,26 @@ _KINDS = ("keys", "values")
 #: calibration without it is still written as version 4, byte for byte as before).
 #: 6: version 4 or 5 whose plans use a fixed-step type (int2f / int4f / int8f, codes 10-12: the plan's per-group
 #: values are then steps, not clips in (0, 1]).
-#: 7: version 6 whose plans carry decode gains (``gains``: fixed-step groups decoded at ``gain · q · step``; a
-#: version-6 reader would decode them at their midpoints, so it must refuse the file).
 FORMAT_VERSION = 4
 INT1_VERSION = 5
 FIXED_VERSION = 6
-GAIN_VERSION = 7
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 
 
-def needed_version(types: frozenset[int], weighted: bool, gains: bool = False) -> int:
-    """The lowest file version that can hold plans of quantization ``types`` (and feature scales if ``weighted``,
-    decode gains if ``gains``)."""
-    if gains:
-        return GAIN_VERSION
+def needed_version(types: frozenset[int], weighted: bool) -> int:
+    """The lowest file version that can hold plans of quantization ``types`` (and feature scales if ``weighted``)."""
     if types & FIXED_TYPES:
         return FIXED_VERSION
     return INT1_VERSION if INT1S in types else 3 if not types <= _V2_TYPES else 2 if weighted else 1
 
 
-def saved_version(types: frozenset[int], weighted: bool, legacy: bool, gains: bool = False) -> int:
-    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5, 6 or 7."""
+def saved_version(types: frozenset[int], weighted: bool, legacy: bool) -> int:
+    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6."""
     if legacy:
-        return needed_version(types, weighted, gains)
-    return max(FORMAT_VERSION, needed_version(types, weighted, gains))
+        return needed_version(types, weighted)
+    return max(FORMAT_VERSION, needed_version(types, weighted))
 
 
 def parse_json(raw: str | bytes, source: Any) -> Any:
@@ -295,11 +289,9 @@ def _plan(p: Any, width: int, what: str) -> int:
     if (
         not isinstance(p, dict)
         or not {"segments", "predicted_error", "rows", "exact"} <= set(p)
-        or not set(p) <= {"segments", "predicted_error", "rows", "exact", "clips", "gains"}
+        or not set(p) <= {"segments", "predicted_error", "rows", "exact", "clips"}
     ):
-        raise CalibrationError(
-            f"{what}: a bit plan must hold segments, predicted_error, rows, exact (and clips, gains)"
-        )
+        raise CalibrationError(f"{what}: a bit plan must hold segments, predicted_error, rows, exact (and clips)")
     segs = _list(p["segments"], f"{what} segments", MAX_SEGMENTS)
     components = 0
     for seg in segs:
@@ -322,7 +314,4 @@ def _plan(p: Any, width: int, what: str) -> int:
         # clips lie in (0, 1], a fixed-step group's step is any positive float (the plan checks which is which)
         if not 0 < _number(c, f"{what} clip") < 3.4e38:
             raise CalibrationError(f"{what}: clips and steps must be positive floats; the file is corrupt")
-    for a in _list(p.get("gains", []), f"{what} gains", MAX_FEATURES):
-        if not 0 < _number(a, f"{what} gain") < 3.4e38:
-            raise CalibrationError(f"{what}: decode gains must be positive floats; the file is corrupt")
     return len(segs)

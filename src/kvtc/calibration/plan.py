@@ -79,9 +79,6 @@ class Plan:
     ``clips`` (ours): the encoder's clip of each *kept* group in component order (see :mod:`kvtc.quant`; below 1
     only for scale-only int groups of more than one component), or a fixed-step group's step (any positive
     float32); empty means 1 for every group.
-
-    ``gains`` (ours): the decoder's factor on each *kept* group's step in component order, ``≠ 1`` only for
-    fixed-step groups (decoded at ``gain · q · step``, see :func:`kvtc.quant.fixed_gains`); empty means 1.
     """
 
     segments: tuple[tuple[int, int, int], ...]
@@ -90,17 +87,11 @@ class Plan:
     exact: bool = True
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     clips: tuple[float, ...] = ()
-    gains: tuple[float, ...] = ()
 
     def kept_clips(self) -> list[float]:
         """The clip of every kept group, in component order."""
         n = sum(rep for _, t, rep in self.segments if t != DROP)
         return list(self.clips) if self.clips else [1.0] * n
-
-    def kept_gains(self) -> list[float]:
-        """The decode gain of every kept group, in component order."""
-        n = sum(rep for _, t, rep in self.segments if t != DROP)
-        return list(self.gains) if self.gains else [1.0] * n
 
     def groups(self) -> list[tuple[int, int, int]]:
         """Expanded ``(start, size, type)`` of every group, dropped ones included."""
@@ -137,8 +128,6 @@ class Plan:
         }
         if self.clips:
             d["clips"] = list(self.clips)
-        if self.gains:
-            d["gains"] = list(self.gains)
         return d
 
     @classmethod
@@ -151,7 +140,6 @@ class Plan:
                 rows=int(d["rows"]),
                 exact=bool(d["exact"]),
                 clips=tuple(float(c) for c in d.get("clips", ())),
-                gains=tuple(float(a) for a in d.get("gains", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationError(f"malformed bit plan: {e!r}; recalibrate with `kvtc calibrate`") from None
@@ -171,12 +159,6 @@ class Plan:
                 for c, (size, t) in zip(plan.clips, kept)
             ):
                 raise CalibrationError("bit plan has clips that do not fit its groups; the file is corrupt")
-        if plan.gains:
-            kept_types = [t for _, _, t in plan.groups() if t != DROP]
-            if len(plan.gains) != len(kept_types) or any(
-                not (0.0 < a < math.inf if t in FIXED_TYPES else a == 1.0) for a, t in zip(plan.gains, kept_types)
-            ):
-                raise CalibrationError("bit plan has decode gains that do not fit its groups; the file is corrupt")
         return plan
 
 

@@ -75,11 +75,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # symbol entropies alone) or each group's packed bits ("nominal", the paper's: the entropy coder's gain, about
     # 1.1x, comes on top of the target)
     "rate": ("stored", "coded", "nominal"),
-    # how fixed-step groups are decoded: at their bins' midpoints ``q · step`` ("midpoint") or at ``gain · q · step``
-    # with a gain per component fitted on the calibration rows (ours; the same symbols and bits): the least-squares
-    # one ("least-squares": a coarse bin's value moved toward what it holds) or the one that keeps each component's
-    # energy ("energy")
-    "reconstruction": ("midpoint", "least-squares", "energy"),
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
     # first documents on ("first")
     "sampling": ("spread", "first"),
@@ -106,7 +101,7 @@ class Recipe:
     sorted), ``grouping`` (which features share a PCA), ``rank_cap``, ``method``, ``power_iters``, ``oversample``
     (the PCA), ``dp_rows`` (rows the DP measures errors on), ``sizes`` and ``types`` (group sizes and quantization
     type codes the DP may use), ``kv_split``, ``value_weight``, ``split_errors`` (how K and V share a ratio's bits),
-    ``rate`` (what the budget counts), ``reconstruction`` (how fixed-step groups are decoded), ``seed``.
+    ``rate`` (what the budget counts), ``seed``.
 
     Collecting (:func:`~kvtc.integrations.hf_calibrate.calibrate_model`): ``tokens`` (calibration rows),
     ``window`` (tokens per window), ``sinks`` (positions of each window left out), ``sampling``; ``sensitivity``
@@ -128,7 +123,6 @@ class Recipe:
     value_weight: float = DEFAULT_VALUE_WEIGHT
     split_errors: str = "relative"
     rate: str = "stored"
-    reconstruction: str = "midpoint"
     sensitivity: str = "fisher"
     sensitivity_resolution: str = "feature"
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
@@ -235,10 +229,8 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: with 7.5 and 10 between; r9u: the same without weighting. (r8 counted packed bits without int1s; r7 took the
 #: corpus's first windows.)
 #: r10 (now the default): r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without
-#: weighting. r11: r10 with fixed-step groups decoded at fitted gains; r11u without weighting.
+#: weighting.
 RECIPES: dict[str, Recipe] = {
-    "r11": Recipe(reconstruction="energy"),
-    "r11u": Recipe(reconstruction="energy", sensitivity="none"),
     "r10": Recipe(),
     "r10u": Recipe(sensitivity="none"),
     "r9": Recipe(types=R9_TYPES, rate="coded"),

@@ -53,14 +53,6 @@ def add_calibrate(sub: Any) -> None:
         "nominal: the packed bits, the entropy coder's gain on top (the paper's rule)",
     )
     p.add_argument(
-        "--reconstruction",
-        choices=("midpoint", "least-squares", "energy"),
-        default="midpoint",
-        help="how fixed-step groups are decoded: midpoint: at their bins' midpoints (default); least-squares: at a "
-        "gain on each component's step fitted on the calibration rows for the least squared error; energy: at the "
-        "gain that keeps each component's energy (the same bits; files of format version 7)",
-    )
-    p.add_argument(
         "--sensitivity",
         choices=("fisher", "none"),
         default="fisher",
@@ -147,9 +139,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     rate = (cal.stats.get("recipe") or {}).get("rate", "nominal")
     counts = {"stored": "stored bits, measured (stored rate)", "coded": "expected stored bits (coded rate)"}
     print(f"  bit budgets count: {counts.get(rate, 'packed bits (nominal)')}")
-    if cal.gains:
-        recon = (cal.stats.get("recipe") or {}).get("reconstruction", "?")
-        print(f"  fixed-step groups decoded at: {recon} gains fitted on the calibration rows (format version 7)")
     used = sorted(
         {
             TYPE_NAMES[t]
@@ -173,7 +162,6 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
     return Recipe(
         kv_split=args.kv_split,
         rate=args.rate,
-        reconstruction=args.reconstruction,
         sensitivity=args.sensitivity,
         sampling=args.sampling,
         types=parse_types(args.types),

@@ -33,25 +33,14 @@ class Bucket:
     plane_rows: torch.Tensor  # [n * size] rows of the type's plane, component-major
     param_rows: torch.Tensor  # [n] first row of each group in the params stream (its shift, or its scale)
     clips: torch.Tensor | None = None  # [n] float32 encoder clips or fixed steps (None: all 1)
-    #: [n] float32 steps the decoder uses for fixed-step groups: ``step · gain`` (None: the encoder's ``clips``)
-    decode_steps: torch.Tensor | None = None
 
-    def device_clips(self, device: torch.device, decode: bool = False) -> torch.Tensor | None:
-        """The encoder's clips or steps on ``device`` (``decode``: the decoder's, where they differ)."""
-        src = self.decode_steps if decode and self.decode_steps is not None else self.clips
-        if src is None:
+    def device_clips(self, device: torch.device) -> torch.Tensor | None:
+        if self.clips is None:
             return None
         cache = self.__dict__.setdefault("_clips", {})
-        key = (str(device), decode and self.decode_steps is not None)
-        if key not in cache:
-            cache[key] = src.to(device).contiguous()
-        return cache[key]
-
-    def decoder_clips(self) -> torch.Tensor | float:
-        """What the CPU reference dequantizes with: the decode steps, else the clips, else 1."""
-        if self.decode_steps is not None:
-            return self.decode_steps
-        return 1.0 if self.clips is None else self.clips
+        if str(device) not in cache:
+            cache[str(device)] = self.clips.to(device).contiguous()
+        return cache[str(device)]
 
     def starts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """int32 (first column, first plane row, params row) of each group, for the fused kernels."""
@@ -92,13 +81,9 @@ class PlanLayout:
         for gi, (_, size, t) in enumerate(kept):
             by.setdefault((t, size), []).append(gi)
         clips = plan.kept_clips()
-        gains = plan.kept_gains()
         buckets = []
         for (t, size), gis in sorted(by.items()):
             cl = torch.tensor([clips[g] for g in gis], dtype=torch.float32)
-            ga = torch.tensor([gains[g] for g in gis], dtype=torch.float32)
-            # float32 product, computed once: the CPU reference and the kernels decode with the same steps
-            dec = cl * ga if bool((ga != 1.0).any()) else None
             starts = torch.tensor([kept[g][0] for g in gis], dtype=torch.int64)
             offs = torch.arange(size, dtype=torch.int64)
             rows0 = torch.tensor([plane_row_of[g] for g in gis], dtype=torch.int64)
@@ -110,7 +95,6 @@ class PlanLayout:
                     (rows0[:, None] + offs).reshape(-1),
                     torch.tensor([param_row_of[g] for g in gis], dtype=torch.int64),
                     cl if bool((cl != 1.0).any()) else None,
-                    dec,
                 )
             )
         return cls(plan, plan.kept_components, len(kept), prows, {t: n for t, n in plane_sizes.items() if n}, buckets)
@@ -207,7 +191,7 @@ class Quantizer:
                 sym = planes[b.qtype][b.plane_rows.to(self.device)].reshape(-1, b.size, n).permute(2, 0, 1)
                 pr = b.param_rows.to(self.device)
                 if param_rows(b.qtype) == 0:
-                    vals = dequantize(sym, None, None, b.qtype, b.decoder_clips())
+                    vals = dequantize(sym, None, None, b.qtype, 1.0 if b.clips is None else b.clips)
                 elif param_rows(b.qtype) == 2:
                     vals = dequantize(sym, params[pr].T, params[pr + 1].T, b.qtype)
                 else:
@@ -240,7 +224,7 @@ class Quantizer:
         for b in pl.buckets:
             kernels.unpack_dequantize(
                 coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale,
-                b.device_clips(self.device, decode=True),
+                b.device_clips(self.device),
             )  # fmt: skip
 
 
