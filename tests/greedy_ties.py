@@ -12,6 +12,9 @@ import math
 #: Two greedy continuations may part where both engines rank the two tokens this close (nats): two bf16 ulps of
 #: logits between 16 and 32.
 NEAR_TIE_NATS = 0.25
+#: How far the chosen token's log-probability may move (nats) over the steps where two such continuations agree:
+#: seen up to 0.17 (the same engine run twice: 0.08); a misplaced cache moves it by whole nats.
+DRIFT_NATS = 0.5
 
 
 def divergences(ref: list[dict], got: list[dict]) -> list[tuple[int, int, float]]:
@@ -28,12 +31,29 @@ def divergences(ref: list[dict], got: list[dict]) -> list[tuple[int, int, float]
     return out
 
 
-def assert_same_up_to_near_ties(ref: list[dict], got: list[dict], max_flips: int, what: str = "") -> None:
-    """Every request continues as the reference's, except at most ``max_flips`` that part at a near tie."""
+def drift(ref: list[dict], got: list[dict]) -> float:
+    """Largest change, in nats, of the chosen token's log-probability over the steps where two runs agree."""
+    worst = 0.0
+    for a, b in zip(ref, got):
+        for x, y, ra, rb in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
+            if x != y:
+                break
+            worst = max(worst, abs(ra[0][1] - rb[0][1]))
+    return worst
+
+
+def assert_same_up_to_near_ties(ref: list[dict], got: list[dict], what: str = "") -> None:
+    """Every request continues as the reference's with the same log-probabilities up to rounding (``DRIFT_NATS``),
+    except that a request may part where the two tokens nearly tie (``NEAR_TIE_NATS``).
+
+    How many requests part is not bounded: it is a property of the text (how many near ties 16 tokens of 32
+    requests meet) and of the batches the scheduler cuts (CI saw 0 to 11 of 32), not of the cache. A wrong or
+    misplaced cache moves log-probabilities by more than rounding and parts at clear choices."""
     assert len(got) == len(ref) and all(len(g["tokens"]) == len(r["tokens"]) for g, r in zip(got, ref)), what
     parted = divergences(ref, got)
-    assert len(parted) <= max_flips, (what, parted)
+    print(f"\n{what}: {len(parted)} of {len(ref)} part, at {parted}; drift {drift(ref, got):.4f} nats")
     assert all(gap <= NEAR_TIE_NATS for _, _, gap in parted), (what, parted)
+    assert drift(ref, got) <= DRIFT_NATS, (what, drift(ref, got), parted)
 
 
 def _below_best(row: list[list], token: int) -> float:

@@ -77,4 +77,4 @@ def test_second_engine_restores_the_first_engines_prefix_from_the_cluster(redis_
     assert sum(1 for n in held if n) >= 2, held  # the prefixes' chunks lie on several masters
     assert min(r["cached"] for r in second["requests"]) >= 0.9 * PREFIX
     # token for token, except a request may part at a near tie (greedy_ties: the engines run other batch shapes)
-    assert_same_up_to_near_ties(first["requests"], second["requests"], 2, "second engine")
+    assert_same_up_to_near_ties(first["requests"], second["requests"], "second engine")

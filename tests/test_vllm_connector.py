@@ -32,7 +32,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "no usable vLL
     )
 
 from fixtures_smollm2 import small_calibration_path  # noqa: E402,F401 - the test calibration, built once
-from greedy_ties import assert_same_up_to_near_ties, divergences  # noqa: E402
+from greedy_ties import DRIFT_NATS, assert_same_up_to_near_ties, divergences, drift  # noqa: E402
 from kvtc.integrations.vllm.chunks import allowed_cpus  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -43,9 +43,6 @@ PREFIX = 1024
 RATIO = 16
 #: vLLM's bf16 KV bytes per token for SmolLM2-135M: K and V x 30 layers x 3 heads x 64 dims x 2 bytes.
 VLLM_BF16_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
-#: How far the chosen token's log-probability may move (nats) while a recomputed request agrees with the reference:
-#: seen up to 0.14 when the prefix is computed on top of a restored chunk instead of in one prefill.
-RECOMPUTE_DRIFT_NATS = 0.25
 #: Names under which the connector holds vLLM's objects (requests, layers, configs, outputs).
 VLLM_OBJECTS = {
     "request",
@@ -175,21 +172,6 @@ def runs(tmp_path_factory, small_calibration_path):
     return res
 
 
-def _tokens(recs: list[dict]) -> list[list[int]]:
-    return [r["tokens"] for r in recs]
-
-
-def _drift(ref: list[dict], got: list[dict]) -> float:
-    """Largest change, in nats, of the chosen token's log-probability over the steps where two runs agree."""
-    worst = 0.0
-    for a, b in zip(ref, got):
-        for x, y, ra, rb in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
-            if x != y:
-                break
-            worst = max(worst, abs(ra[0][1] - rb[0][1]))
-    return worst
-
-
 def test_connector_touches_vllm_only_through_its_api():
     """Acceptance 1: no monkey-patching; vLLM is imported only for the connector base and public config
     (every module of the integration: the facade, its scheduler and worker halves, config, codecs, metadata)."""
@@ -227,17 +209,17 @@ def test_connector_touches_vllm_only_through_its_api():
 
 def test_fresh_engine_restores_the_shared_prefix(runs):
     """Acceptance 2: a second engine loads >= 90% of the prefix from the store; greedy outputs are identical up to
-    a flip at a near tie (at most half of the 16 requests, each within two bf16 ulps)."""
+    a request parting at a near tie (greedy_ties: within two bf16 ulps, log-probabilities within rounding)."""
     assert runs["store"]["requests"][0]["cached"] == 0  # the first engine started from an empty store
     cached = [r["cached"] for r in runs["restore"]["requests"]]
     assert min(cached) >= 0.9 * PREFIX, cached
     # token for token, except a request may part at a near tie (greedy_ties; seen in CI: the reference had a
     # three-way exact tie at one step, which the restoring engine broke the other way; and once 5 of 16 requests
-    # parting at gaps of 1-2 ulps, 0.0625-0.125 nats). A wrong or misplaced cache parts at clear choices, which
-    # the gap bound refuses however few requests part.
+    # parting at gaps of 1-2 ulps, 0.0625-0.125 nats). A wrong or misplaced cache moves log-probabilities and
+    # parts at clear choices, which the drift and gap bounds refuse however few requests part.
     base = runs["baseline"]["requests"]
-    assert_same_up_to_near_ties(base, runs["store"]["requests"], 8, "store")
-    assert_same_up_to_near_ties(base, runs["restore"]["requests"], 8, "restore")
+    assert_same_up_to_near_ties(base, runs["store"]["requests"], "store")
+    assert_same_up_to_near_ties(base, runs["restore"]["requests"], "restore")
 
 
 def test_kvtc_16x_restore_is_small_and_close(runs):
@@ -259,14 +241,12 @@ def test_kvtc_16x_restore_is_small_and_close(runs):
 
 def test_engine_alone_repeats_a_concurrent_batch(runs):
     """The reference for acceptance 5: the same 32 concurrent requests, same engine, same (empty) prefix cache,
-    twice. If this fails, exact comparisons across engines under concurrency mean nothing."""
+    twice. vLLM alone does not repeat it token for token on a CPU (the scheduler cuts other batches as requests
+    arrive, and its kernels round bf16 per batch shape), so this bounds what the comparisons across engines below
+    must allow: the same log-probabilities up to rounding, parting only at near ties."""
     base = runs["baseline"]
-    assert _tokens(base["concurrent_again"]) == _tokens(base["concurrent"])
-
-
-#: of 32 concurrent requests, at most this many may part from the reference, each at a near tie (half: CI once saw
-#: 11 part, every one within two bf16 ulps; a misplaced cache parts at clear choices, which the gap bound refuses)
-MAX_NEAR_TIE_FLIPS = 16
+    print("\nengine alone, twice:", divergences(base["concurrent"], base["concurrent_again"]))
+    assert_same_up_to_near_ties(base["concurrent"], base["concurrent_again"], "engine alone")
 
 
 def test_concurrent_requests_over_shared_prefixes(runs):
@@ -280,7 +260,7 @@ def test_concurrent_requests_over_shared_prefixes(runs):
     base = runs["baseline"]["concurrent"]
     assert len(base) == 32
     for name in ("store", "restore"):
-        assert_same_up_to_near_ties(base, runs[name]["concurrent"], MAX_NEAR_TIE_FLIPS, name)
+        assert_same_up_to_near_ties(base, runs[name]["concurrent"], name)
     assert min(r["cached"] for r in runs["restore"]["concurrent"]) >= 0.9 * PREFIX
 
 
@@ -288,7 +268,7 @@ def test_corrupt_entry_is_recomputed_with_a_warning(runs):
     """Acceptance 5: a damaged store entry is never served: vLLM recomputes it, warns, and the answer stays right.
 
     The recompute runs in other batches than the reference (its prefix is computed on top of the restored chunk 0,
-    not in one prefill), and vLLM's CPU kernels round bf16 per batch shape: log-probs move (RECOMPUTE_DRIFT_NATS),
+    not in one prefill), and vLLM's CPU kernels round bf16 per batch shape: log-probs move (DRIFT_NATS),
     and where two or three tokens are that close the greedy choice may flip (seen in CI: 5 of 16 requests, at gaps
     of 0.06 to 0.25 nats in the engine that ranked them further apart). A wrong cache moves log-probs by more and
     parts at clear choices."""
@@ -297,8 +277,8 @@ def test_corrupt_entry_is_recomputed_with_a_warning(runs):
     assert "cannot be restored" in log and "recompute" in log
     got, base = r["corrupt_requests"], runs["baseline"]["requests"]
     assert len(got) == 16 and all(len(x["tokens"]) == len(b["tokens"]) for x, b in zip(got, base))
-    assert _drift(base, got) <= RECOMPUTE_DRIFT_NATS
-    bad = [d for d in divergences(base, got) if d[2] > 2 * RECOMPUTE_DRIFT_NATS]  # both tokens moved, opposite ways
+    assert drift(base, got) <= DRIFT_NATS
+    bad = [d for d in divergences(base, got) if d[2] > 2 * DRIFT_NATS]  # both tokens moved, opposite ways
     assert not bad, bad
     # What vLLM reports is true: the request whose load failed is recomputed and looked up again, and the store then
     # offers only the chunks before the damaged one (chunk 1 of the prefix): 256 cached tokens, not the 1,024 it
