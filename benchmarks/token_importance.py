@@ -126,7 +126,7 @@ def _coded(kv: KVSlice, ratio: float, cal: Any, start: int, stop: int, rope: Any
         _CODED.clear()
         _CODED_FOR[0] = kv
     if ratio not in _CODED:
-        _CODED[ratio] = KVTC(cal, ratio).compress(kv, start, stop, rope)
+        _CODED[ratio] = KVTC(cal, ratio, tiers="none").compress(kv, start, stop, rope)
     return _CODED[ratio]
 
 

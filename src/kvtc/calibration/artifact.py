@@ -7,6 +7,11 @@ Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
 * ``{kind}.{g}.eigenvalues`` float32 ``[k]``
 * ``{kind}.{g}.scale``       float32 ``[p_g]``, positive — only in a sensitivity-weighted calibration (format
   version 2): the group's PCA was fitted on rows ``x ∘ scale`` (see :class:`~kvtc.calibration.pca.PCAResult`)
+* ``queries`` float32 ``[layers, heads, G, head_dim]`` and ``queries.scale`` float32 ``[layers]`` — only in a
+  calibration that records its mean queries (format version 7): each attention head's mean pre-RoPE query over the
+  calibration corpus (``G`` query heads per KV head) and the attention's logit scale per layer. The encoder ranks
+  tokens by the attention they receive (:mod:`kvtc.codec.tiers`); decoding never reads them, so they are no part of
+  the calibration's ``hash``
 
 The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
 RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
@@ -68,6 +73,10 @@ class Calibration:
     library_version: str = __version__
     #: read from a file of version 1-3: keeps that file's hash (blobs name it) and is saved in that version again
     legacy: bool = False
+    #: ``[layers, heads, G, head_dim]`` mean pre-RoPE query per attention head (None: not recorded; blobs then
+    #: spend one plan on every middle token) and ``[layers]`` logit scales
+    queries: torch.Tensor | None = None
+    query_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._columns = self.grouping.columns(self.layout)
@@ -171,6 +180,21 @@ class Calibration:
                         raise CalibrationError(
                             f"ratio {key} {kind} group {g}: plan needs more components than the basis"
                         )
+        if (self.queries is None) != (self.query_scales is None):
+            raise CalibrationError("mean queries and their logit scales come together")
+        if self.queries is not None:
+            lay, q, sc = self.layout, self.queries, self.query_scales
+            if q.dim() != 4 or q.shape[:2] != (len(lay.layers), len(lay.heads)) or q.shape[3] != lay.head_dim:
+                raise CalibrationError(
+                    f"mean queries must be [{len(lay.layers)}, {len(lay.heads)}, G, {lay.head_dim}], got {tuple(q.shape)}"
+                )
+            if not 1 <= q.shape[2] <= 1 << 10 or sc.shape != (len(lay.layers),):
+                raise CalibrationError("mean queries: query heads per KV head or logit scales out of shape")
+            for name, t in (("mean queries", q), ("query logit scales", sc)):
+                if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+                    raise CalibrationError(f"{name} must be finite float32")
+            if not bool((sc > 0).all()):
+                raise CalibrationError("query logit scales must be positive")
 
     # ------------------------------------------------------------------ serialisation
     @property
@@ -191,7 +215,7 @@ class Calibration:
     @property
     def version(self) -> int:
         """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
-        return saved_version(self.types, self.weighted, self.legacy)
+        return saved_version(self.types, self.weighted, self.legacy, self.queries is not None)
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -227,6 +251,7 @@ class Calibration:
                 key: {kind: [pl.to_dict() for pl in by_kind[kind]] for kind in KINDS}
                 for key, by_kind in sorted(self.plans.items())
             },
+            **({} if self.queries is None else {"queries": {"per_kv_head": int(self.queries.shape[2])}}),
         }
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -238,12 +263,16 @@ class Calibration:
                 out[f"{kind}.{g}.eigenvalues"] = p.eigenvalues.contiguous()
                 if p.scale is not None:
                     out[f"{kind}.{g}.scale"] = p.scale.contiguous()
+        if self.queries is not None and self.query_scales is not None:
+            out["queries"] = self.queries.contiguous()
+            out["queries.scale"] = self.query_scales.contiguous()
         return out
 
     def _compute_hash(self) -> str:
         if self.legacy:
             return content_hash(self._meta(), self._tensors())
-        return decoding_hash(self.layout, self.grouping, self.rope, self.plans, self._tensors())
+        decoding = {n: t for n, t in self._tensors().items() if not n.startswith("queries")}
+        return decoding_hash(self.layout, self.grouping, self.rope, self.plans, decoding)
 
     def to_bytes(self) -> bytes:
         meta = self._meta()
@@ -347,6 +376,8 @@ class Calibration:
                 stats=dict(meta["stats"]),
                 library_version=str(meta["library_version"]),
                 legacy=meta["version"] < FORMAT_VERSION,
+                queries=tensors.get("queries"),
+                query_scales=tensors.get("queries.scale"),
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):
@@ -395,6 +426,8 @@ class Calibration:
             corpus=self.corpus,
             stats={**self.stats, "sharded_from": self.hash},
             library_version=self.library_version,
+            queries=None if self.queries is None else self.queries[:, [self.layout.heads.index(h) for h in heads]],
+            query_scales=self.query_scales,
         )
         if [c.tolist() for c in sub.columns] != [_remap(self.layout, layout, self._columns[g]) for g in keep]:
             raise CalibrationMismatch("head shard order does not match the calibration's groups")
@@ -439,6 +472,8 @@ def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
         names |= {
             f"{kind}.{g}.scale" for kind in KINDS for g, info in enumerate(meta["pca"][kind]) if info.get("scaled")
         }
+        if meta.get("queries") is not None:
+            names |= {"queries", "queries.scale"}
         return names
     except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None

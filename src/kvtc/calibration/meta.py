@@ -46,6 +46,7 @@ _TOP = {
     "pca",
     "plans",
     "hash",
+    "queries",
 }
 _KINDS = ("keys", "values")
 
@@ -59,10 +60,13 @@ _KINDS = ("keys", "values")
 #: calibration without it is still written as version 4, byte for byte as before).
 #: 6: version 4 or 5 whose plans use a fixed-step type (int2f / int4f / int8f, codes 10-12: the plan's per-group
 #: values are then steps, not clips in (0, 1]).
+#: 7: any of 4-6 that also records each head's mean query (tensors ``queries`` and ``queries.scale``, metadata
+#: ``queries``), which the encoder's token-adaptive rates read; a calibration without them is written as before.
 FORMAT_VERSION = 4
 INT1_VERSION = 5
 FIXED_VERSION = 6
-READ_VERSIONS = (1, 2, 3, 4, 5, 6)
+QUERIES_VERSION = 7
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 
@@ -74,10 +78,13 @@ def needed_version(types: frozenset[int], weighted: bool) -> int:
     return INT1_VERSION if INT1S in types else 3 if not types <= _V2_TYPES else 2 if weighted else 1
 
 
-def saved_version(types: frozenset[int], weighted: bool, legacy: bool) -> int:
-    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6."""
+def saved_version(types: frozenset[int], weighted: bool, legacy: bool, queries: bool = False) -> int:
+    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6, or 7
+    when it records mean queries."""
     if legacy:
         return needed_version(types, weighted)
+    if queries:
+        return QUERIES_VERSION
     return max(FORMAT_VERSION, needed_version(types, weighted))
 
 
@@ -136,6 +143,13 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
     groups, width = _groups(meta.get("grouping"), limits, heads, head_dim, f"{where} 'grouping'")
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
+    if meta.get("queries") is not None:
+        q = meta["queries"]
+        if version < QUERIES_VERSION or not isinstance(q, dict) or set(q) != {"per_kv_head"}:
+            raise CalibrationError(
+                f"{where} 'queries' is malformed or in a version-{version} file; the file is corrupt"
+            )
+        _int(q["per_kv_head"], f"{where} 'queries' 'per_kv_head'", 1, 1 << 10)
 
 
 def _int(x: Any, what: str, lo: int, hi: int) -> int:

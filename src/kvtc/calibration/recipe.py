@@ -8,8 +8,8 @@ tensors, same plans, same content hash. Across CPUs the float reductions of the 
 differ in the last bits, so an independently rebuilt calibration has another content hash and does not decode
 blobs the first one encoded (``CalibrationMismatch``): copy the calibration file instead.
 
-The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r10`` is ``Recipe()``,
-``r10u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
+The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r11`` is ``Recipe()``,
+``r11u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
 the token count), so a new default recipe is a new name and a new file.
 """
 
@@ -29,7 +29,10 @@ from .pca import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_RANK_CAP
 #: target ratios of a calibration; one basis serves all of them (the paper's 8/16/32/64 and points between,
 #: so that the quality-vs-bytes curve is dense where users choose: entropy coding stores about 1.12-1.15x
 #: more, so the 7, 7.5 and 8 targets store about 7.9x, 8.4x and 9x)
-DEFAULT_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
+R10_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
+#: r11 adds the tiers of the token-adaptive rates (half and 1.5 times each of 8, 12, 16, 24, 32, 48, 64:
+#: :mod:`kvtc.codec.tiers`) that the ladder lacked
+DEFAULT_RATIOS: tuple[float, ...] = (4, *R10_RATIOS[:7], 18, 24, 32, 36, 48, 64, 72, 96)
 #: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
 #: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
 #: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
@@ -78,6 +81,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
     # first documents on ("first")
     "sampling": ("spread", "first"),
+    # record each attention head's mean pre-RoPE query over the calibration windows ("mean", ours: the encoder's
+    # token-adaptive rates rank tokens by the attention these give them, kvtc.codec.tiers) or not ("none")
+    "queries": ("mean", "none"),
 }
 KV_SPLITS = CHOICES["kv_split"]
 SENSITIVITIES = CHOICES["sensitivity"]
@@ -107,7 +113,8 @@ class Recipe:
     ``window`` (tokens per window), ``sinks`` (positions of each window left out), ``sampling``; ``sensitivity``
     (``"fisher"`` weighs features by the loss's sensitivity, ``"none"`` does not) measured on
     ``sensitivity_windows`` windows of ``sensitivity_context`` + ``sensitivity_continuation`` tokens with
-    ``sensitivity_labels``, resolved per ``sensitivity_resolution`` and floored at ``sensitivity_floor``.
+    ``sensitivity_labels``, resolved per ``sensitivity_resolution`` and floored at ``sensitivity_floor``;
+    ``queries`` (``"mean"``: record each head's mean query for the encoder's token-adaptive rates).
     """
 
     ratios: tuple[float, ...] = DEFAULT_RATIOS
@@ -131,6 +138,7 @@ class Recipe:
     sensitivity_continuation: int = SENSITIVITY_CONTINUATION
     sensitivity_labels: str = "text"
     sampling: str = "spread"
+    queries: str = "mean"
     tokens: int = DEFAULT_TOKENS
     window: int = DEFAULT_WINDOW_TOKENS
     sinks: int = DEFAULT_CALIBRATION_SINKS
@@ -228,15 +236,20 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: type (int1s included) with the DP's clips, budgets counting the expected stored bits (the coded rate), targets 6-64
 #: with 7.5 and 10 between; r9u: the same without weighting. (r8 counted packed bits without int1s; r7 took the
 #: corpus's first windows.)
-#: r10 (now the default): r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without
-#: weighting.
+#: r10: r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without weighting.
+#: r11 (now the default): r10 plus each head's mean query and the tiers' targets (4, 18, 36, 72, 96), for the
+#: token-adaptive rates; r11u without weighting.
+_R10 = {"ratios": R10_RATIOS, "queries": "none"}
+_R9 = {"types": R9_TYPES, "rate": "coded", **_R10}
 RECIPES: dict[str, Recipe] = {
-    "r10": Recipe(),
-    "r10u": Recipe(sensitivity="none"),
-    "r9": Recipe(types=R9_TYPES, rate="coded"),
-    "r9u": Recipe(types=R9_TYPES, rate="coded", sensitivity="none"),
+    "r11": Recipe(),
+    "r11u": Recipe(sensitivity="none"),
+    "r10": Recipe(**_R10),
+    "r10u": Recipe(sensitivity="none", **_R10),
+    "r9": Recipe(**_R9),
+    "r9u": Recipe(sensitivity="none", **_R9),
 }
-DEFAULT_RECIPE = "r10"
-UNWEIGHTED_RECIPE = "r10u"
+DEFAULT_RECIPE = "r11"
+UNWEIGHTED_RECIPE = "r11u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

@@ -73,6 +73,13 @@ def add_calibrate(sub: Any) -> None:
         "fp8 plus our int3, scale-only int1s, int2s, int3s, int4s, fp8s and fixed-step int2f, int4f, int8f), r9 "
         "(all but the fixed-step ones), paper (int2, int4, fp8 only), type names, or a mix such as paper,int2s",
     )
+    p.add_argument(
+        "--queries",
+        choices=("mean", "none"),
+        default="mean",
+        help="mean: record each attention head's mean query, so that encoders spend more bits on the tokens "
+        "attention reads (token-adaptive rates; default); none: every middle token gets the same plan",
+    )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
         "--out",
@@ -86,7 +93,7 @@ def add_calibrate(sub: Any) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from .. import assets
-    from ..calibration.artifact import Calibration
+    from ..calibration.artifact import Calibration, ratio_key
     from ..calibration.load import embedded_model_key
     from ..integrations.hf_calibrate import calibrate_model, default_calibration
     from ..quant import DROP, TYPE_NAMES
@@ -150,6 +157,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
         }
     )
     print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
+    if cal.queries is not None:
+        from ..codec.tiers import tier_targets
+
+        have = {ratio_key(r) for r in cal.ratios}
+        tiered = [r for r in cal.ratios if all(ratio_key(t) in have for t in tier_targets(r))]
+        print(f"  mean queries: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
+    else:
+        print("  mean queries: not recorded (one plan for every middle token)")
     print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -164,6 +179,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
         rate=args.rate,
         sensitivity=args.sensitivity,
         sampling=args.sampling,
+        queries=args.queries,
         types=parse_types(args.types),
         **{k: v for k, v in given.items() if v is not None},
     )

@@ -41,6 +41,13 @@ def add_compress(sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--ratio", type=ratio_value, default=16, help="target compression ratio (default %(default)s)")
     p.add_argument("--identity", action="store_true", help="store the KV uncompressed (no calibration needed)")
+    p.add_argument(
+        "--tiers",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: a quarter of the middle tokens, those attention reads most, at half the ratio and the rest at "
+        "1.5 times it, when the calibration allows (default); none: one plan for every token",
+    )
     p.add_argument("--max-tokens", type=positive_int, help="keep only the first N tokens of the text")
     p.add_argument("--out", type=Path, required=True, help="the .kvtc file to write")
     p.set_defaults(run=run_compress)
@@ -58,7 +65,7 @@ def run_compress(args: argparse.Namespace) -> int:
     check_out(args.out, ".kvtc file")
     text = read_text(args)
     cal = None if args.identity else load_calibration(args.calibration, model=args.model)
-    codec = Codec.identity() if cal is None else Codec(cal, args.ratio)
+    codec = Codec.identity() if cal is None else Codec(cal, args.ratio, tiers=args.tiers)
     model, tok = load_model(args.model)
     ids = encode_text(tok, text, args.chat)
     if args.max_tokens:

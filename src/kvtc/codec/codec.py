@@ -13,6 +13,11 @@ Sections of a ``kvtc`` blob, in order: ``positions`` (int64 ``[B, T]``), ``raw.k
 row of N tokens each: shift then scale, or the scale alone for a scale-only type) and ``{kind}.{g}.{type}``
 (packed planes, component order) for each type the plan uses, in :data:`CODED_TYPES` order.
 An ``identity`` blob stores every token in ``raw.*`` and needs no calibration.
+
+A tiered blob (token-adaptive rates, :mod:`kvtc.codec.tiers`; container version 3) codes each group's middle tokens
+with two plans: after the raw sections one mask ``tiers.{g}`` per group (a bit per middle token, sequence-major:
+set for the tokens of the high tier), then per kind and group the high tier's rows as ``{kind}.{g}.*`` and the low
+tier's as ``{kind}.{g}.lo.*``, each tier's rows in token order.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import torch
 
 from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
-from ..errors import CalibrationMismatch, FormatError, LayoutError
+from ..errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
-from . import budget, container, gpu_decode, gpu_write, info, spans
+from . import budget, container, gpu_decode, gpu_write, info, spans, tiers
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
 from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
@@ -47,6 +52,12 @@ class Codec:
 
     ``Codec(calibration, ratio=16)``; ``encode(slice) -> bytes``; ``decode(bytes) -> KVSlice``;
     ``inspect(bytes) -> dict``. ``Codec.identity()`` stores raw tokens through the same container.
+
+    ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes a
+    quarter of each group's middle tokens, those the calibration's mean queries attend to most, at half the
+    target and the rest at 1.5 times it (:mod:`kvtc.codec.tiers`) when the calibration records mean queries and has
+    plans for both; else, and with ``"none"``, one plan for every token. ``(high, low)``: those two targets
+    (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
     """
 
     def __init__(
@@ -60,6 +71,7 @@ class Codec:
         device: torch.device | str = "cpu",
         precision: str = "fp32",
         max_decoded_bytes: int = budget.DEFAULT_MAX_DECODED_BYTES,
+        tiers: str | tuple[float, float] = "auto",
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
@@ -87,6 +99,13 @@ class Codec:
             self._transform = PCATransform(calibration, self.device, precision, self._fused)
             plans = calibration.plans_for(self.ratio)
             self._plans = {kind: [PlanLayout.build(p) for p in plans[kind]] for kind in KINDS}
+        #: (high, low, share) of a tiered encode, or None
+        self.tiers = None if calibration is None else _resolve_tiers(calibration, float(self.ratio), tiers)
+        self._rope = None
+        if self.tiers is not None and calibration.rope is not None:
+            from ..rope import RopeSpec
+
+            self._rope = RopeSpec.from_dict(calibration.rope)
 
     @classmethod
     def identity(cls, backend: str = "raw", **kw: Any) -> Codec:
@@ -127,6 +146,8 @@ class Codec:
             ratio=self.ratio,
             packing=self.packing,
         )
+        if self.tiers is not None and header.middle_tokens:
+            header.tiers = self.tiers
         budget.check_sparsity(header)
         payloads: list[tuple[str, Any]] = [("positions", le_bytes(kv.positions))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
@@ -135,20 +156,26 @@ class Codec:
         if self.calibration is not None and header.middle_tokens:
             middles = spans.group_middles(header, self.calibration.grouping)
             one_group = len(middles) == 1
+            masks: list[torch.Tensor | None] | None = None
+            if header.tiers:
+                with clock("tiers"):
+                    masks = self._choose_tiers(kv, header, middles)
+                payloads.extend((f"tiers.{g}", tiers.pack_mask(mk)) for g, mk in enumerate(masks) if mk is not None)
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
                 rows: dict[tuple[int, int], torch.Tensor] = {}
                 for start, m in dict.fromkeys(middles):
                     if m:
                         with clock("to_rows"):
                             r = spans.middle_view(t, start, m)  # [B, m, features]
-                            if not (self._fused and self.precision == "fp8" and self._same_gpu(t) and one_group):
+                            in_place = self._fused and self.precision == "fp8" and self._same_gpu(t) and one_group
+                            if not in_place or masks is not None:
                                 r = r.reshape(-1, lay.num_features).to(
                                     self.device
                                 )  # else the projection reads in place
                                 if not (self._fused and self.precision in ("bf16", "fp8")):
                                     r = r.float()
                         rows[(start, m)] = r
-                payloads.extend(self._encode_rows(kind, [rows.get(x) for x in middles], clock))
+                payloads.extend(self._encode_rows(kind, [rows.get(x) for x in middles], clock, masks))
         with clock("entropy"):
             coder = device_coder(self.backend, self.device) if self._fused else None
             if (
@@ -188,19 +215,50 @@ class Codec:
                     out[i] = (payloads[i][0], host_bytes(payloads[i][1]))
         return out
 
-    def _encode_rows(self, kind: str, group_rows: list[torch.Tensor | None], clock: Clock) -> list[tuple[str, Any]]:
-        """Sections of each PCA group from the rows ``[n, features]`` of its tokens (None: it codes none)."""
+    def _choose_tiers(
+        self, kv: KVSlice, header: container.Header, middles: list[tuple[int, int]]
+    ) -> list[torch.Tensor | None]:
+        """Each PCA group's high-tier mask (bool ``[B·middle]``; None for a group that codes no token)."""
+        cal = self.calibration
+        assert cal is not None and cal.queries is not None and header.tiers is not None
+        mass = tiers.attention_mass(kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, self._rope)
+        out: list[torch.Tensor | None] = []
+        for g, (start, m) in enumerate(middles):
+            layers = tiers.group_layers(cal.columns[g], kv.layout)
+            out.append(tiers.choose(mass, layers, start, m, header.tiers[2]) if m else None)
+        return out
+
+    def _encode_rows(
+        self,
+        kind: str,
+        group_rows: list[torch.Tensor | None],
+        clock: Clock,
+        masks: list[torch.Tensor | None] | None = None,
+    ) -> list[tuple[str, Any]]:
+        """Sections of each PCA group from the rows ``[n, features]`` of its tokens (None: it codes none); with
+        ``masks``, each group's high-tier rows by the high plan and the others by the low one."""
         out = []
         cols_all = self.calibration.columns  # type: ignore[union-attr]
         for g, pl in enumerate(self._plans[kind]):
             rows = group_rows[g]
             if rows is None:
                 continue
-            with clock("project"):
-                x = rows if len(cols_all) == 1 else rows[:, cols_all[g].to(rows.device)]
-                coeffs = self._transform.project(kind, g, x, pl.components)  # type: ignore[union-attr]
-            out.extend(self._quantizer.encode(f"{kind}.{g}", coeffs, pl, self.packing, clock))
+            x = rows if len(cols_all) == 1 else rows[:, cols_all[g].to(rows.device)]
+            parts = [(f"{kind}.{g}", pl, x)]
+            if masks is not None:
+                hi, lo = self._tier_layouts(self.tiers)  # type: ignore[arg-type]
+                mk = masks[g].to(x.device)  # type: ignore[union-attr]
+                parts = [(f"{kind}.{g}", hi[kind][g], x[mk]), (f"{kind}.{g}.lo", lo[kind][g], x[~mk])]
+            for prefix, layout, part in parts:
+                if not part.shape[0]:
+                    continue
+                with clock("project"):
+                    coeffs = self._transform.project(kind, g, part, layout.components)  # type: ignore[union-attr]
+                out.extend(self._quantizer.encode(prefix, coeffs, layout, self.packing, clock))
         return out
+
+    def _tier_layouts(self, t: tuple[str, str, float]) -> tuple[dict[str, list[PlanLayout]], ...]:
+        return plan_layouts(self.calibration, t[0]), plan_layouts(self.calibration, t[1])
 
     # ------------------------------------------------------------------ decode
     def _open(
@@ -208,12 +266,22 @@ class Codec:
     ) -> tuple[container.Header, dict[str, Any]]:
         blob, pinned, header, body = self._checked_header(blob)
         expected = self._expected_sections(header)
+        secs = None
         if on_device and self._fused:
             for name in dict.fromkeys(x.backend for x in header.sections):
                 coder = device_coder(name, self.device)
                 if coder is not None:
-                    return header, container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
-        return header, container.read_sections(blob, header, body, expected)
+                    secs = container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
+                    break
+        if secs is None:
+            secs = container.read_sections(blob, header, body, expected)
+        if header.tiers:  # each group's mask, checked, in place of its bytes
+            middles = spans.group_middles(header, self.calibration.grouping)  # type: ignore[union-attr]
+            for g, (_, m) in enumerate(middles):
+                if m:
+                    name = f"tiers.{g}"
+                    secs[name] = tiers.unpack_mask(secs[name], header.batch, m, header.tiers[2], name)
+        return header, secs
 
     def _checked_header(self, blob: bytes | torch.Tensor) -> tuple[Any, Any, container.Header, int]:
         """(the blob as a buffer, the blob as a pinned tensor or None, its header, body offset), after the checks
@@ -234,7 +302,11 @@ class Codec:
                     f"{'none' if cal is None else cal.fingerprint}; decode with the calibration that encoded it"
                 )
             cal.check_layout(header.layout)
-            if header.ratio is None or header.ratio not in cal.plans:
+            if header.tiers:
+                missing = [r for r in header.tiers[:2] if r not in cal.plans]
+                if missing:
+                    raise FormatError(f"blob names tier ratios {missing}, which its calibration has no plan for")
+            elif header.ratio is None or header.ratio not in cal.plans:
                 raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
         return blob, pinned, header, body
 
@@ -244,6 +316,18 @@ class Codec:
             exp[f"raw.{kind}"] = spans.raw_bytes(h)
         if h.mode == "kvtc" and h.middle_tokens:
             middles = spans.group_middles(h, self.calibration.grouping)  # type: ignore[union-attr]
+            if h.tiers:
+                hi, lo = self._tier_layouts(h.tiers)
+                for g, (_, m) in enumerate(middles):
+                    if m:
+                        exp[f"tiers.{g}"] = tiers.mask_bytes(h.batch, m)
+                for kind in KINDS:
+                    for g, (_, m) in enumerate(middles):
+                        k = tiers.high_count(m, h.tiers[2])
+                        for prefix, pl, n in ((f"{kind}.{g}", hi[kind][g], k), (f"{kind}.{g}.lo", lo[kind][g], m - k)):
+                            if m and n:
+                                exp.update(pl.section_sizes(prefix, h.batch * n, h.packing))
+                return exp
             plans = plan_layouts(self.calibration, h.ratio)
             for kind in KINDS:
                 for g, pl in enumerate(plans[kind]):
@@ -328,29 +412,43 @@ class Codec:
         for g, (start, m) in enumerate(spans.group_middles(header, self.calibration.grouping)):  # type: ignore[union-attr]
             if not m:
                 continue
-            coeffs, pl = self._coefficients(kind, g, header, secs, clock, B * m)
+            coeffs, k = self._coefficients(kind, g, header, secs, clock, B * m)
             with clock("project"):
-                x = self._transform.reconstruct(kind, g, coeffs, pl.components, None)  # type: ignore[union-attr]
+                x = self._transform.reconstruct(kind, g, coeffs, k, None)  # type: ignore[union-attr]
             with clock("to_tokens"):
                 spans.middle_view(full, start, m)[:, :, cols[g].to(out_dev)] = x.to(dt).to(out_dev).view(B, m, -1)
         return full
 
     def _coefficients(
         self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock, n: int | None = None
-    ) -> tuple[torch.Tensor, PlanLayout]:
-        pl = plan_layouts(self.calibration, header.ratio)[kind][g]
+    ) -> tuple[torch.Tensor, int]:
+        """Group ``g``'s coefficients ``[n, columns]`` and the basis components they span."""
         tr = self._transform
-        coeffs = self._quantizer.decode(
-            f"{kind}.{g}",
-            secs,
-            pl,
-            header.batch * header.middle_tokens if n is None else n,
-            header.packing,
-            clock,
-            tr.coefficient_dtype,
-            tr.coefficient_columns(pl.components),
-        )  # type: ignore[union-attr]
-        return coeffs, pl
+        n = header.batch * header.middle_tokens if n is None else n
+        if not header.tiers:
+            pl = plan_layouts(self.calibration, header.ratio)[kind][g]
+            coeffs = self._quantizer.decode(
+                f"{kind}.{g}", secs, pl, n, header.packing, clock, tr.coefficient_dtype,
+                tr.coefficient_columns(pl.components),
+            )  # type: ignore[union-attr]  # fmt: skip
+            return coeffs, pl.components
+        hi, lo = self._tier_layouts(header.tiers)
+        hpl, lpl = hi[kind][g], lo[kind][g]
+        k = max(hpl.components, lpl.components)
+        mask = secs[f"tiers.{g}"].to(self.device)
+        coeffs = None
+        for prefix, pl, rows in ((f"{kind}.{g}", hpl, mask), (f"{kind}.{g}.lo", lpl, ~mask)):
+            count = int(rows.sum())
+            if not count:
+                continue
+            part = self._quantizer.decode(
+                prefix, secs, pl, count, header.packing, clock, tr.coefficient_dtype, tr.coefficient_columns(k)
+            )  # type: ignore[union-attr]
+            if coeffs is None:
+                coeffs = torch.zeros((n, tr.coefficient_columns(k)), dtype=part.dtype, device=part.device)
+            coeffs[rows.to(part.device), : part.shape[1]] = part
+        assert coeffs is not None
+        return coeffs, k
 
     def _decode_rows(
         self,
@@ -368,9 +466,9 @@ class Codec:
         if len(cols_all) > 1:
             rows = torch.empty((n, header.layout.num_features), dtype=torch.float32, device=self.device)
         for g in range(len(cols_all)):
-            coeffs, pl = self._coefficients(kind, g, header, secs, clock)
+            coeffs, k = self._coefficients(kind, g, header, secs, clock)
             with clock("project"):
-                x = self._transform.reconstruct(kind, g, coeffs, pl.components, out)  # type: ignore[union-attr]
+                x = self._transform.reconstruct(kind, g, coeffs, k, out)  # type: ignore[union-attr]
             if rows is None:
                 return x
             rows[:, cols_all[g].to(self.device)] = x
@@ -401,7 +499,7 @@ class Codec:
             s, w = header.spans[0][2:4]
             blocks = {k: [flat[k].view(B, s + w, len(lay.layers), *hd)] for k in KINDS}
         span_index = {sp: i for i, (sp, *_) in enumerate(header.spans)}
-        coeffs: dict[str, list[tuple[torch.Tensor, PlanLayout] | None]] = {}
+        coeffs: dict[str, list[tuple[torch.Tensor, int] | None]] = {}
         col_index: list[dict[int, int]] = []
         if header.mode == "kvtc" and header.middle_tokens:
             clock = stage_clock(None)
@@ -429,10 +527,10 @@ class Codec:
                         idx = [(a, col_index[g][col]) for a, col in enumerate(lcols) if col in col_index[g]]
                         if not idx or entry is None:
                             continue
-                        c, pl = entry
+                        c, k = entry
                         dst = torch.tensor([a for a, _ in idx], device=self.device)
                         src = torch.tensor([b for _, b in idx], device=self.device)
-                        x[:, dst] = self._transform.reconstruct_columns(kind, g, c, pl.components, src).to(x.dtype)  # type: ignore[union-attr]
+                        x[:, dst] = self._transform.reconstruct_columns(kind, g, c, k, src).to(x.dtype)  # type: ignore[union-attr]
                     full[:, first + s : T - w] = x.to(dt).to(out_dev).reshape(B, m, *hd)
                 out.append(full)
             yield layer, out[0], out[1]
@@ -443,6 +541,31 @@ class Codec:
         """Header facts and sizes of a blob, without decoding it (needs no calibration): see
         :func:`kvtc.codec.info.inspect`."""
         return info.inspect(blob)
+
+
+def _resolve_tiers(cal: Calibration, ratio: float, asked: Any) -> tuple[str, str, float] | None:
+    """(high, low, share) for a codec of ``cal`` at ``ratio`` asked for ``asked`` tiers, or None (one plan)."""
+    if asked == "none":
+        return None
+    if asked == "auto":
+        high, low = tiers.tier_targets(ratio)
+        if cal.queries is None or ratio_key(high) not in cal.plans or ratio_key(low) not in cal.plans:
+            return None
+    else:
+        try:
+            high, low = (float(x) for x in asked)
+        except (TypeError, ValueError):
+            raise ValueError(f"tiers must be 'auto', 'none' or (high, low) targets, got {asked!r}") from None
+        if cal.queries is None:
+            raise CalibrationError(
+                "token-adaptive tiers need a calibration that records mean queries (format version 7: "
+                "`kvtc calibrate` with the default recipe); this one does not"
+            )
+        for r in (high, low):
+            cal.plans_for(r)  # raises, naming the ratios it has
+        if not high < ratio < low:
+            raise ValueError(f"tier targets must bracket the target: {high:g} < {ratio:g} < {low:g}")
+    return ratio_key(high), ratio_key(low), round(tiers.share(ratio, high, low), 6)
 
 
 __all__ = ["CODED_TYPES", "DEFAULT_SINKS", "DEFAULT_WINDOW", "DIRECT_MIN_TOKENS", "Codec"]

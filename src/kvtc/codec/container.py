@@ -3,7 +3,7 @@
 ```
 offset  size  field
 0       4     magic b"KVTC"
-4       2     format version, u16 little-endian (1 or 2)
+4       2     format version, u16 little-endian (1, 2 or 3)
 6       2     flags, u16 (0; any other value is refused)
 8       4     header length H, u32 LE (16 <= H <= MAX_HEADER_BYTES)
 12      4     CRC-32 of the header bytes, u32 LE
@@ -18,6 +18,10 @@ allocated, and checks each section's CRC-32 before its bytes are decoded. It nev
 Version 2 adds per-layer held-token counts (``layout.max_tokens``: sliding-window layers hold only their newest
 tokens, and only those are stored). A slice whose layers all hold every token is written as version 1, byte for
 byte what earlier releases wrote, so they keep reading it; a reader of version 1 only refuses version 2.
+
+Version 3 adds token-adaptive rates (``tiers``: each PCA group's middle tokens coded by two plans, a bit mask per
+group saying which token took which, :mod:`kvtc.codec.tiers`), with or without per-layer held-token counts. Only
+blobs that use them are written as version 3; a reader of versions 1-2 refuses them by their version.
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ from .entropy import EntropyCoder, decode_stream, encode_stream
 from .packing import PACKINGS
 
 MAGIC = b"KVTC"
-VERSION = 2
-#: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts)
-VERSIONS = (1, 2)
+VERSION = 3
+#: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts; 3: tiers)
+VERSIONS = (1, 2, 3)
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 #: absolute caps on what a header may declare (a blob is one slice of one conversation batch)
@@ -78,11 +82,14 @@ class Header:
     ratio: str | None
     packing: str
     sections: list[Section] = field(default_factory=list)
+    #: token-adaptive rates: (high target, low target, share of each group's middle tokens at the high one)
+    tiers: tuple[str, str, float] | None = None
 
     @property
     def version(self) -> int:
-        """The container version this header is written as (2 only when some layer holds fewer tokens)."""
-        return 2 if self.layout.max_tokens else 1
+        """The container version this header is written as (3 with tiers, else 2 only when some layer holds fewer
+        tokens, else 1)."""
+        return 3 if self.tiers else 2 if self.layout.max_tokens else 1
 
     @property
     def spans(self) -> list[tuple[Span, int, int, int, int]]:
@@ -125,6 +132,7 @@ class Header:
             "ratio": self.ratio,
             "packing": self.packing,
             "sections": [[s.name, s.backend, s.raw, s.coded, s.crc32] for s in self.sections],
+            **({"tiers": list(self.tiers)} if self.tiers else {}),
         }
 
 
@@ -264,7 +272,11 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError("container header is not valid JSON; the blob is corrupt") from None
     header = _parse_header(d)
-    if header.version != version:
+    if header.tiers and version != 3:
+        raise FormatError(f"container version {version} with token-adaptive tiers (only version 3 has them); corrupt")
+    if not header.tiers and version == 3:
+        raise FormatError("container version 3 without token-adaptive tiers; the blob is corrupt")
+    if not header.tiers and header.version != version:
         raise FormatError(
             f"container version {version} with a layout that {'lacks' if version == 2 else 'has'} per-layer held-token "
             "counts (version 2 carries them, version 1 never does); the blob is corrupt"
@@ -421,7 +433,15 @@ def _parse_header(d: Any) -> Header:
         sections.append(Section(name, backend, raw, coded, crc))
     if total_raw > min(2 * bound, MAX_TOTAL_RAW_BYTES):
         raise FormatError("sections declare more bytes than the slice can hold")
-    header = Header(mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections)
+    tiers = d.get("tiers")
+    if tiers is not None:
+        ok = isinstance(tiers, list) and len(tiers) == 3 and mode == "kvtc"
+        ok = ok and all(isinstance(t, str) and 0 < len(t) <= 32 for t in tiers[:2])
+        ok = ok and isinstance(tiers[2], float) and 0.0 < tiers[2] < 1.0
+        if not ok:
+            raise FormatError("container tiers field invalid; the blob is corrupt")
+        tiers = (tiers[0], tiers[1], tiers[2])
+    header = Header(mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections, tiers)
     if mode == "identity" and header.middle_tokens:
         raise FormatError("identity blob must store every token raw (sinks + window < tokens); the blob is corrupt")
     if batch == 0 and header.middle_tokens:

@@ -63,6 +63,7 @@ def inspect(blob: bytes | memoryview | torch.Tensor) -> dict[str, Any]:
             for sp, _, ss, ww, m in header.spans
         ],
         "target_ratio": header.ratio,
+        "tiers": None if not header.tiers else dict(zip(("high", "low", "share"), header.tiers)),
         "packing": header.packing,
         "bytes": len(blob),
         "header_bytes": overhead,

@@ -143,8 +143,9 @@ class KVTC(Method):
         dtype: str | None = None,
         model_id: str | None = None,
         store: Callable[[bytes], bytes] | None = None,
+        tiers: Any = "auto",
     ):
-        self.calibration, self.ratio = calibration, ratio
+        self.calibration, self.ratio, self.tiers = calibration, ratio, tiers
         self.name = name
         self.label = label or f"{name} {ratio:g}x"
         self.dtype, self.model_id, self.store = dtype, model_id, store
@@ -164,7 +165,7 @@ class KVTC(Method):
         )
 
     def compress(self, kv: KVSlice, start: int, stop: int, rope: RopeSpec) -> Result:
-        codec = Codec(self.calibration, self.ratio, sinks=start, window=kv.num_tokens - stop)
+        codec = Codec(self.calibration, self.ratio, sinks=start, window=kv.num_tokens - stop, tiers=self.tiers)
         stored = self._stored(kv)
         with self.timer("encode"):
             blob = codec.encode(stored)

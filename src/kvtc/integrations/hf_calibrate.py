@@ -11,6 +11,8 @@ Rows stream into the PCA accumulators window by window, so memory is ``O(p²)`` 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -41,6 +43,7 @@ from ..layout import KVSlice
 from ..progress import StageTimer
 from ..progress import bar as progress_bar
 from .hf import describe_model, extract_slice, rebuild_cache
+from .hf.queries import recording_queries
 
 log = logging.getLogger(__name__)
 
@@ -313,16 +316,23 @@ def calibrate_model(
             "sensitivity": meta_sens,
         }
     )
-    cal = fit_calibration(
-        layout,
-        timer.iterate(rows, "collect"),
-        recipe,
-        feature_scale=feature_scale,
-        rope=rope.to_dict(),
-        model_id=model_id or str(getattr(model.config, "_name_or_path", "")),
-        corpus=meta,
-        progress=say,
-    )
+    with contextlib.ExitStack() as stack:
+        recorder = None
+        if recipe.queries == "mean":  # each head's mean query, recorded while the rows are collected
+            recorder = stack.enter_context(recording_queries(model, layout, rope, recipe.sinks))
+        cal = fit_calibration(
+            layout,
+            timer.iterate(rows, "collect"),
+            recipe,
+            feature_scale=feature_scale,
+            rope=rope.to_dict(),
+            model_id=model_id or str(getattr(model.config, "_name_or_path", "")),
+            corpus=meta,
+            progress=say,
+        )
+    if recorder is not None:
+        queries, scales = recorder.result()
+        cal = dataclasses.replace(cal, queries=queries, query_scales=scales)
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     cal.stats["seconds"]["collect"] = round(timer.seconds["collect"], 3)
@@ -332,7 +342,7 @@ def calibrate_model(
 
 def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model: str = "smollm2") -> Path:
     """An embedded model's calibration on pre-2000 State of the Union speeches made with a named ``recipe``
-    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r10, ``Recipe(sensitivity="none")`` r10u, the
+    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r11, ``Recipe(sensitivity="none")`` r11u, the
     unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path.
 
     ``model`` names the embedded model (:func:`kvtc.assets.embedded_model`: ``"smollm2"``, the default, or

@@ -1,0 +1,156 @@
+"""Token-adaptive rates: more bits for the middle tokens attention reads, fewer for the rest, at the same bytes.
+
+A plain kvtc blob spends one bit plan on every middle token of a PCA group. Attention is far from uniform: a few
+tokens take most of a layer's mass, and an error in a token no query reads costs nothing. A *tiered* blob codes
+each group's middle tokens with two of the calibration's plans: the ``share`` of them that attention reads most
+with the plan of a higher-quality target (``high``), the others with that of a lower one (``low``), chosen so that
+the blob stores what the plain target stores: ``share/high + (1 - share)/low = 1/target``. With the default tiers
+(``high = target/2``, ``low = 3·target/2``) the share is a quarter.
+
+Which tokens attention reads is estimated from what the encoder holds: the exact cache and, from the calibration,
+each head's mean pre-RoPE query over the calibration corpus (``Calibration.queries``). Those mean queries are
+rotated to ``QUERY_POSITIONS`` of the slice's newest ``RECENT`` positions, and the softmax attention they give every
+token a layer holds (causal, within the layer's sliding window) is summed over the group's layers, heads and
+queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens attention reads": this ranking lowered next-token KL
+by 25-45% at 16-32x; a random ranking made it worse). The decoder does not rank anything: the blob carries each
+group's choice as a bit mask (section ``tiers.{g}``, docs/FORMAT.md), so decoding never depends on the queries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import FormatError
+
+#: the tiers' targets as multiples of the blob's target (the share of high-tier tokens follows, see :func:`share`)
+HIGH_FACTOR = 0.5
+LOW_FACTOR = 1.5
+#: the newest positions whose (mean) queries score the tokens, and how many of them are used
+RECENT = 128
+QUERY_POSITIONS = 32
+
+
+def tier_targets(target: float) -> tuple[float, float]:
+    """(high, low) targets of the default tiers of ``target``."""
+    return target * HIGH_FACTOR, target * LOW_FACTOR
+
+
+def share(target: float, high: float, low: float) -> float:
+    """The share of tokens coded at ``high`` so that the blob stores what ``target`` stores."""
+    if not high < target < low:
+        raise ValueError(f"tier targets must bracket the target: {high} < {target} < {low}")
+    return (1 / target - 1 / low) / (1 / high - 1 / low)
+
+
+def high_count(middle: int, frac: float) -> int:
+    """High-tier tokens of a sequence with ``middle`` coded tokens of a group."""
+    return min(middle, max(0, int(middle * frac + 0.5)))
+
+
+def attention_mass(
+    keys: torch.Tensor, positions: torch.Tensor, layout: Any, queries: torch.Tensor, scales: torch.Tensor, rope: Any
+) -> torch.Tensor:
+    """``[B, L, T]`` float32: the attention each token of each layer receives from the mean queries placed at the
+    slice's newest positions (zero for tokens a layer does not hold).
+
+    ``keys``: the slice's pre-RoPE keys ``[B, T, L, H, D]``; ``queries``: ``[L, H, G, D]`` mean pre-RoPE queries
+    (``G`` query heads per KV head); ``scales``: ``[L]`` the attention's logit scale; ``rope``: the model's
+    :class:`~kvtc.rope.RopeSpec` or None (no RoPE)."""
+    B, T, L, H, D = keys.shape
+    dev = keys.device
+    out = torch.zeros((B, L, T), dtype=torch.float32, device=dev)
+    if T == 0:
+        return out
+    recent = min(RECENT, T)
+    q_idx = torch.linspace(T - recent, T - 1, min(QUERY_POSITIONS, recent), device=dev).round().long().unique()
+    Q = q_idx.numel()
+    G = queries.shape[2]
+    k = keys.float()
+    q = queries.to(dev, torch.float32).reshape(1, 1, L, H * G, D).expand(B, Q, L, H * G, D)
+    qpos = positions[:, q_idx]
+    if rope is not None:
+        k = rope.apply(k, positions, list(layout.layers))
+        q = rope.apply(q.contiguous(), qpos, list(layout.layers))
+    diff = qpos[:, :, None] - positions[:, None, :]  # [B, Q, T]
+    for i in range(L):
+        first = T - layout.held(i, T)
+        kk = k[:, first:, i]  # [B, n, H, D]
+        qq = q[:, :, i].reshape(B, Q, H, G, D)
+        logits = torch.einsum("bqhgd,bnhd->bhgqn", qq, kk) * float(scales[i])
+        d = diff[:, :, first:]
+        mask = d < 0
+        limit = layout.limit(i)
+        if limit:
+            mask |= d >= limit
+        logits = logits.masked_fill(mask[:, None, None], float("-inf"))
+        p = torch.nan_to_num(logits.softmax(-1))  # a query that sees no held token gives none of them mass
+        out[:, i, first:] = p.sum((1, 2, 3))
+    return out
+
+
+def group_layers(columns: torch.Tensor, layout: Any) -> list[int]:
+    """Positions (in ``layout.layers``) of the layers a PCA group's feature columns belong to."""
+    per_layer = len(layout.heads) * layout.head_dim
+    return sorted(set((columns // per_layer).tolist()))
+
+
+def choose(mass: torch.Tensor, layers: list[int], start: int, middle: int, frac: float) -> torch.Tensor:
+    """bool ``[B·middle]`` (rows in the codec's ``(sequence, token)`` order): the ``high_count`` tokens of each
+    sequence's ``[start, start + middle)`` that the group's ``layers`` attend to most (ties: the older token)."""
+    B = mass.shape[0]
+    score = mass[:, layers, start : start + middle].sum(1)  # [B, m]
+    k = high_count(middle, frac)
+    chosen = torch.zeros((B, middle), dtype=torch.bool, device=mass.device)
+    if k:
+        order = torch.argsort(-score, dim=1, stable=True)
+        chosen.scatter_(1, order[:, :k], True)
+    return chosen.reshape(-1)
+
+
+def mask_bytes(batch: int, middle: int) -> int:
+    """Raw bytes of one group's mask section."""
+    return (batch * middle + 7) // 8
+
+
+def pack_mask(mask: torch.Tensor) -> bytes:
+    """A bool mask as bits, least significant first, zero padding."""
+    return np.packbits(mask.cpu().numpy().astype(np.uint8), bitorder="little").tobytes()
+
+
+def unpack_mask(data: Any, batch: int, middle: int, frac: float, name: str) -> torch.Tensor:
+    """The mask a ``tiers.{g}`` section holds, checked: exactly ``high_count`` high tokens in every sequence and zero
+    padding (else :class:`~kvtc.errors.FormatError`: the section sizes that follow depend on these counts)."""
+    if isinstance(data, torch.Tensor):  # decoded on a device
+        data = data.cpu().numpy().tobytes()
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    if raw.size != mask_bytes(batch, middle):
+        raise FormatError(f"section {name}: {raw.size} bytes, {mask_bytes(batch, middle)} expected")
+    bits = np.unpackbits(raw, bitorder="little")
+    n = batch * middle
+    if bits[n:].any():
+        raise FormatError(f"section {name}: padding bits set; the blob is corrupt")
+    mask = torch.from_numpy(bits[:n].astype(bool))
+    k = high_count(middle, frac)
+    if batch and not bool((mask.view(batch, middle).sum(1) == k).all()):
+        raise FormatError(f"section {name}: a sequence marks other than {k} high-tier tokens; the blob is corrupt")
+    return mask
+
+
+__all__ = [
+    "HIGH_FACTOR",
+    "LOW_FACTOR",
+    "QUERY_POSITIONS",
+    "RECENT",
+    "attention_mass",
+    "choose",
+    "group_layers",
+    "high_count",
+    "mask_bytes",
+    "pack_mask",
+    "share",
+    "tier_targets",
+    "unpack_mask",
+]
