@@ -31,6 +31,11 @@ def _rope() -> RopeSpec:
 
 @pytest.fixture(scope="module")
 def cal() -> Calibration:
+    return tiered_calibration()
+
+
+def tiered_calibration() -> Calibration:
+    """A synthetic calibration with plans at 4x, 8x and 12x and random mean queries: 8x is coded in tiers."""
     p = LAYOUT.num_features
     ks, vs = LowRankSource(p, decay=1e-3, noise=1e-3, seed=1), LowRankSource(p, decay=1e-2, noise=1e-3, seed=2)
     rows = [(ks.rows(1024), vs.rows(1024)) for _ in range(4)]
@@ -40,7 +45,7 @@ def cal() -> Calibration:
     return dataclasses.replace(base, queries=q, query_scales=torch.full((3,), D**-0.5))
 
 
-def _slice(batch: int = 2, tokens: int = 200, seed: int = 5):
+def tiered_slice(batch: int = 2, tokens: int = 200, seed: int = 5):
     p = LAYOUT.num_features
     k = LowRankSource(p, decay=1e-3, noise=1e-3, seed=1).rows(batch * tokens)
     v = LowRankSource(p, decay=1e-2, noise=1e-3, seed=2).rows(batch * tokens)
@@ -52,7 +57,7 @@ def _slice(batch: int = 2, tokens: int = 200, seed: int = 5):
 
 
 def test_attention_mass_matches_a_brute_force_softmax(cal):
-    kv = _slice(batch=2, tokens=150)
+    kv = tiered_slice(batch=2, tokens=150)
     rope = _rope()
     got = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope)
     B, T = kv.batch, kv.num_tokens
@@ -91,7 +96,7 @@ def test_choose_marks_each_sequences_most_attended_tokens():
 
 
 def test_tiered_blob_round_trips_and_spends_its_bits_on_the_chosen_tokens(cal):
-    kv = _slice()
+    kv = tiered_slice()
     codec = Codec(cal, 8, window=16)  # the sliding layer (60 tokens) then codes some too
     assert codec.tiers == ("4", "12", 0.25)
     blob = codec.encode(kv)
@@ -139,7 +144,7 @@ def _rewrite(blob: bytes, edit) -> bytes:
 
 def test_damaged_masks_and_tiers_are_refused(cal):
     codec = Codec(cal, 8, backend="raw", window=16)
-    blob = codec.encode(_slice())
+    blob = codec.encode(tiered_slice())
     codec.decode(_rewrite(blob, lambda d, b: None))  # the rewrite alone keeps it valid
 
     def flip(d, b):
@@ -178,9 +183,9 @@ def test_calibration_with_queries_saves_as_version_7_and_keeps_its_name(cal, tmp
     back = Calibration.load(cal.save(tmp_path / "c.safetensors"))
     assert torch.equal(back.queries, cal.queries) and torch.equal(back.query_scales, cal.query_scales)
     assert back.hash == cal.hash
-    blob = Codec(cal, 8).encode(_slice())
+    blob = Codec(cal, 8).encode(tiered_slice())
     assert torch.equal(Codec(plain, 8).decode(blob).keys, Codec(cal, 8).decode(blob).keys)
-    assert Codec(plain, 8).tiers is None and Codec.inspect(Codec(plain, 8).encode(_slice()))["tiers"] is None
+    assert Codec(plain, 8).tiers is None and Codec.inspect(Codec(plain, 8).encode(tiered_slice()))["tiers"] is None
     with pytest.raises(CalibrationError, match="mean queries"):
         Codec(plain, 8, tiers=(4, 12))
     with pytest.raises(CalibrationError, match="no bit plan for ratio 6"):
