@@ -246,7 +246,7 @@ def markdown(result: dict) -> str:
         f"calibration ({result['calibration']}), {result['windows']} windows of 2,048 + 256 tokens of each held-out "
         "text. Each group's top tokens by the score from the high target's blob, the rest from the low target's; "
         "bytes counted as the mix's share of each blob. (Built into the codec since 2026-12-03 with the `meanq` "
-        "ranking, recipe r11 and container version 3: \"Quality vs bytes on Gemma-3-270M\" above.)",
+        'ranking, recipe r11 and container version 3: "Quality vs bytes on Gemma-3-270M" above.)',
         "",
         "| coded text | target | score | high / low target, share high | ratio | Δppl | KL(exact‖lossy) | top-1 agree "
         "| K rel. err | V rel. err |",
