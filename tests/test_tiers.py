@@ -116,7 +116,8 @@ def test_tiered_blob_round_trips_and_spends_its_bits_on_the_chosen_tokens(cal):
         assert err[mask].mean() < 0.5 * err[~mask].mean()  # the high tier's tokens are coded far better
     for li, k, v in codec.decode_layers(blob):
         i = LAYOUT.layers.index(li)
-        assert torch.equal(k, out.keys[:, :, i]) and torch.equal(v, out.values[:, :, i])
+        # the same reconstruction, up to float32 rounding (decode_layers multiplies zero-padded coefficients)
+        assert torch.allclose(k, out.keys[:, :, i], atol=1e-5) and torch.allclose(v, out.values[:, :, i], atol=1e-5)
 
 
 def container_middles(blob, cal):

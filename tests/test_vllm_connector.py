@@ -172,6 +172,10 @@ def runs(tmp_path_factory, small_calibration_path):
     return res
 
 
+def _tokens(recs: list[dict]) -> list[list[int]]:
+    return [r["tokens"] for r in recs]
+
+
 def test_connector_touches_vllm_only_through_its_api():
     """Acceptance 1: no monkey-patching; vLLM is imported only for the connector base and public config
     (every module of the integration: the facade, its scheduler and worker halves, config, codecs, metadata)."""

@@ -381,6 +381,7 @@ class Codec:
                     and len(self.calibration.columns) == 1  # type: ignore[union-attr]
                     and dt == self._transform.out_dtype
                     and (s + w == 0 or m >= DIRECT_MIN_TOKENS)
+                    and not header.tiers
                 )
                 views = None
                 if direct:  # one view when nothing is protected, else one per sequence
@@ -412,9 +413,7 @@ class Codec:
         for g, (start, m) in enumerate(spans.group_middles(header, self.calibration.grouping)):  # type: ignore[union-attr]
             if not m:
                 continue
-            coeffs, k = self._coefficients(kind, g, header, secs, clock, B * m)
-            with clock("project"):
-                x = self._transform.reconstruct(kind, g, coeffs, k, None)  # type: ignore[union-attr]
+            x = self._group_rows(kind, g, header, secs, clock, B * m)
             with clock("to_tokens"):
                 spans.middle_view(full, start, m)[:, :, cols[g].to(out_dev)] = x.to(dt).to(out_dev).view(B, m, -1)
         return full
@@ -432,23 +431,61 @@ class Codec:
                 tr.coefficient_columns(pl.components),
             )  # type: ignore[union-attr]  # fmt: skip
             return coeffs, pl.components
-        hi, lo = self._tier_layouts(header.tiers)
-        hpl, lpl = hi[kind][g], lo[kind][g]
-        k = max(hpl.components, lpl.components)
-        mask = secs[f"tiers.{g}"].to(self.device)
+        parts = self._tier_parts(kind, g, header, secs, clock)
+        k = max(c for _, _, c in parts)
         coeffs = None
-        for prefix, pl, rows in ((f"{kind}.{g}", hpl, mask), (f"{kind}.{g}.lo", lpl, ~mask)):
-            count = int(rows.sum())
-            if not count:
-                continue
-            part = self._quantizer.decode(
-                prefix, secs, pl, count, header.packing, clock, tr.coefficient_dtype, tr.coefficient_columns(k)
-            )  # type: ignore[union-attr]
+        for rows, part, _ in parts:
             if coeffs is None:
                 coeffs = torch.zeros((n, tr.coefficient_columns(k)), dtype=part.dtype, device=part.device)
             coeffs[rows.to(part.device), : part.shape[1]] = part
         assert coeffs is not None
         return coeffs, k
+
+    def _tier_parts(
+        self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """A tiered blob's group ``g``: ``(row mask, coefficients, components)`` of each tier that codes a token."""
+        assert header.tiers is not None
+        tr = self._transform
+        hi, lo = self._tier_layouts(header.tiers)
+        mask = secs[f"tiers.{g}"].to(self.device)
+        out = []
+        for prefix, pl, rows in ((f"{kind}.{g}", hi[kind][g], mask), (f"{kind}.{g}.lo", lo[kind][g], ~mask)):
+            count = int(rows.sum())
+            if count:
+                part = self._quantizer.decode(
+                    prefix, secs, pl, count, header.packing, clock, tr.coefficient_dtype,
+                    tr.coefficient_columns(pl.components),
+                )  # type: ignore[union-attr]  # fmt: skip
+                out.append((rows, part, pl.components))
+        return out
+
+    def _group_rows(
+        self,
+        kind: str,
+        g: int,
+        header: container.Header,
+        secs: dict[str, Any],
+        clock: Clock,
+        n: int,
+        out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """Group ``g``'s reconstructed feature rows ``[n, p_g]`` (``out``: see :meth:`PCATransform.reconstruct`;
+        not for a tiered blob, whose tiers are each reconstructed with their own components, then placed)."""
+        tr = self._transform
+        if not header.tiers:
+            coeffs, k = self._coefficients(kind, g, header, secs, clock, n)
+            with clock("project"):
+                return tr.reconstruct(kind, g, coeffs, k, out)  # type: ignore[union-attr]
+        assert out is None
+        x = None
+        for rows, part, k in self._tier_parts(kind, g, header, secs, clock):
+            with clock("project"):
+                y = tr.reconstruct(kind, g, part, k, None)  # type: ignore[union-attr]
+            if x is None:
+                x = torch.empty((n, y.shape[1]), dtype=y.dtype, device=y.device)
+            x[rows.to(y.device)] = y
+        return x
 
     def _decode_rows(
         self,
@@ -466,9 +503,7 @@ class Codec:
         if len(cols_all) > 1:
             rows = torch.empty((n, header.layout.num_features), dtype=torch.float32, device=self.device)
         for g in range(len(cols_all)):
-            coeffs, k = self._coefficients(kind, g, header, secs, clock)
-            with clock("project"):
-                x = self._transform.reconstruct(kind, g, coeffs, k, out)  # type: ignore[union-attr]
+            x = self._group_rows(kind, g, header, secs, clock, header.batch * header.middle_tokens, out)
             if rows is None:
                 return x
             rows[:, cols_all[g].to(self.device)] = x
