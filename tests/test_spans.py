@@ -142,8 +142,10 @@ def test_version_and_layout_must_agree(calibration):
     blob = bytes(Codec.identity().encode(windowed_slice(batch=1)))
     with pytest.raises(FormatError, match="version 1 with a layout that has"):
         Codec.identity().decode(_reseal(blob, version=1))
-    with pytest.raises(FormatError, match="not supported"):
+    with pytest.raises(FormatError, match="without token-adaptive tiers"):
         Codec.identity().decode(_reseal(blob, version=3))
+    with pytest.raises(FormatError, match="not supported"):
+        Codec.identity().decode(_reseal(blob, version=max(container.VERSIONS) + 1))
 
     def bad_limits(h):
         h["layout"]["max_tokens"] = [24, 24, -1, 24, 24, 0]
