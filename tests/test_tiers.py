@@ -254,3 +254,90 @@ def test_the_recorder_gives_each_heads_mean_pre_rope_query_and_leaves_the_output
         assert torch.allclose(q[i], mean, atol=1e-4), (name, layer)
     assert torch.allclose(scales, torch.tensor([m.self_attn.scaling for m in model.model.layers]).float()[
         list(layout.layers)])  # fmt: skip
+
+
+def _with_map(cal: Calibration, weights: float = 0.0, seed: int = 6) -> Calibration:
+    """``cal`` plus a key-to-query map: random weights times ``weights``, intercept the mean queries."""
+    L, H = len(LAYOUT.layers), LAYOUT.num_kv_heads
+    m = torch.randn(L, H, D + 1, G * D, generator=torch.Generator().manual_seed(seed)) * weights
+    m[:, :, D] = cal.queries.reshape(L, H, G * D)
+    return dataclasses.replace(cal, query_map=m)
+
+
+def test_a_map_without_weights_ranks_as_the_mean_queries(cal):
+    kv = tiered_slice(batch=2, tokens=150)
+    rope = _rope()
+    mean = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope)
+    flat = tiers.attention_mass(
+        kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, _with_map(cal).query_map
+    )
+    assert torch.allclose(flat, mean, atol=1e-6)
+    m = _with_map(cal, 0.5).query_map
+    moved = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, m)
+    assert not torch.allclose(moved, mean, atol=1e-3)  # the keys' own queries move the mass
+    k = kv.keys[:, -3:].float()
+    q = tiers.predicted_queries(k, m)  # against the regression written out
+    want = torch.einsum("bqlhd,lhde->bqlhe", k, m[:, :, :D]) + m[:, :, D]
+    assert torch.allclose(q, want.reshape(q.shape), atol=1e-5) and q.shape == (2, 3, 3, LAYOUT.num_kv_heads * G, D)
+
+
+def test_calibration_with_a_query_map_saves_as_version_8(cal, tmp_path):
+    mapped = _with_map(cal, 0.1)
+    assert mapped.version == 8 and mapped.hash == cal.hash  # decoding never reads it
+    back = Calibration.load(mapped.save(tmp_path / "m.safetensors"))
+    assert back.version == 8 and torch.equal(back.query_map, mapped.query_map)
+    blob = Codec(back, 8).encode(tiered_slice())
+    assert Codec.inspect(blob)["tiers"] is not None
+    assert torch.equal(Codec(cal, 8).decode(blob).keys, Codec(back, 8).decode(blob).keys)
+    with pytest.raises(CalibrationError, match="key-to-query map must be"):
+        dataclasses.replace(mapped, query_map=mapped.query_map[..., :-1])
+    with pytest.raises(CalibrationError, match="comes with the mean queries"):
+        dataclasses.replace(mapped, queries=None, query_scales=None)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_recorders_key_to_query_map_is_a_least_squares_fit(name):
+    """The map predicts the model's own pre-RoPE queries from its pre-RoPE keys about as well as an exact
+    least-squares fit on the same tokens."""
+    from kvtc.integrations.hf import describe_model
+    from kvtc.integrations.hf.queries import recording_queries
+    from tiny_models import build
+
+    model = build(name)
+    model.set_attn_implementation("sdpa")
+    layout, rope = describe_model(model)
+    cfg = model.config
+    hq, hd = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    seen: dict[tuple[str, int], list[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for part in ("q", "k"):
+            target = getattr(attn, f"{part}_norm", None) or getattr(attn, f"{part}_proj")
+
+            def hook(_m, _a, out, i=i, part=part):
+                n = hq if part == "q" else layout.num_kv_heads
+                t = out if out.dim() == 4 else out.view(out.shape[0], out.shape[1], n, hd)
+                t = t.transpose(1, 2) if t.shape[1] == n and t.shape[2] != n else t  # -> [B, T, heads, D]
+                seen.setdefault((part, i), []).append(t.detach().float())
+
+            hooks.append(target.register_forward_hook(hook))
+    ids = torch.randint(3, 120, (6, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), recording_queries(model, layout, rope, sinks=4, keys=True) as rec:
+        model(ids)
+    for h in hooks:
+        h.remove()
+    m = rec.query_map()
+    G = hq // layout.num_kv_heads
+    assert m.shape == (len(layout.layers), layout.num_kv_heads, hd + 1, G * hd)
+    for i, layer in enumerate(layout.layers):
+        q = torch.cat(seen[("q", layer)], 0)[:, 4:].double()  # [B, n, Hq, D]
+        k = torch.cat(seen[("k", layer)], 0)[:, 4:].double()
+        for h in range(layout.num_kv_heads):
+            x = torch.cat([k[:, :, h].reshape(-1, hd), torch.ones(k.shape[0] * k.shape[1], 1, dtype=torch.float64)], 1)
+            y = q[:, :, h * G : (h + 1) * G].reshape(-1, G * hd)
+            exact = torch.linalg.lstsq(x, y).solution
+            best, got = (float((y - x @ a).pow(2).sum()) for a in (exact, m[i, h].double()))
+            mean_res = float((y - y.mean(0)).pow(2).sum())
+            # within 5% of the query variance of what least squares explains (the ridge shrinks a little)
+            assert best <= got * (1 + 1e-9) and got <= best + 0.05 * mean_res, (name, layer, h)

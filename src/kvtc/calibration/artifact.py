@@ -12,6 +12,10 @@ Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
   calibration corpus (``G`` query heads per KV head) and the attention's logit scale per layer. The encoder ranks
   tokens by the attention they receive (:mod:`kvtc.codec.tiers`); decoding never reads them, so they are no part of
   the calibration's ``hash``
+* ``queries.map`` float32 ``[layers, heads, head_dim + 1, G · head_dim]`` — only beside ``queries``, in a calibration
+  that also records the key-to-query map (format version 8): ``[pre-RoPE key, 1] @ map[layer, head]`` predicts the
+  pre-RoPE queries of the ``G`` query heads that read that KV head (a ridge regression on the calibration corpus).
+  Encoder-only as well
 
 The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
 RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
@@ -77,6 +81,7 @@ class Calibration:
     #: spend one plan on every middle token) and ``[layers]`` logit scales
     queries: torch.Tensor | None = None
     query_scales: torch.Tensor | None = None
+    query_map: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._columns = self.grouping.columns(self.layout)
@@ -195,6 +200,15 @@ class Calibration:
                     raise CalibrationError(f"{name} must be finite float32")
             if not bool((sc > 0).all()):
                 raise CalibrationError("query logit scales must be positive")
+            m = self.query_map
+            if m is not None:
+                want = (len(lay.layers), len(lay.heads), lay.head_dim + 1, q.shape[2] * lay.head_dim)
+                if tuple(m.shape) != want:
+                    raise CalibrationError(f"key-to-query map must be {list(want)}, got {list(m.shape)}")
+                if m.dtype != torch.float32 or not bool(torch.isfinite(m).all()):
+                    raise CalibrationError("key-to-query map must be finite float32")
+        elif self.query_map is not None:
+            raise CalibrationError("a key-to-query map comes with the mean queries")
 
     # ------------------------------------------------------------------ serialisation
     @property
@@ -215,7 +229,9 @@ class Calibration:
     @property
     def version(self) -> int:
         """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
-        return saved_version(self.types, self.weighted, self.legacy, self.queries is not None)
+        return saved_version(
+            self.types, self.weighted, self.legacy, self.queries is not None, self.query_map is not None
+        )
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -251,8 +267,15 @@ class Calibration:
                 key: {kind: [pl.to_dict() for pl in by_kind[kind]] for kind in KINDS}
                 for key, by_kind in sorted(self.plans.items())
             },
-            **({} if self.queries is None else {"queries": {"per_kv_head": int(self.queries.shape[2])}}),
+            **({} if self.queries is None else {"queries": self._queries_meta()}),
         }
+
+    def _queries_meta(self) -> dict[str, Any]:
+        assert self.queries is not None
+        out: dict[str, Any] = {"per_kv_head": int(self.queries.shape[2])}
+        if self.query_map is not None:
+            out["map"] = True
+        return out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -266,6 +289,8 @@ class Calibration:
         if self.queries is not None and self.query_scales is not None:
             out["queries"] = self.queries.contiguous()
             out["queries.scale"] = self.query_scales.contiguous()
+            if self.query_map is not None:
+                out["queries.map"] = self.query_map.contiguous()
         return out
 
     def _compute_hash(self) -> str:
@@ -378,6 +403,7 @@ class Calibration:
                 legacy=meta["version"] < FORMAT_VERSION,
                 queries=tensors.get("queries"),
                 query_scales=tensors.get("queries.scale"),
+                query_map=tensors.get("queries.map"),
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):
@@ -428,6 +454,9 @@ class Calibration:
             library_version=self.library_version,
             queries=None if self.queries is None else self.queries[:, [self.layout.heads.index(h) for h in heads]],
             query_scales=self.query_scales,
+            query_map=None
+            if self.query_map is None
+            else self.query_map[:, [self.layout.heads.index(h) for h in heads]],
         )
         if [c.tolist() for c in sub.columns] != [_remap(self.layout, layout, self._columns[g]) for g in keep]:
             raise CalibrationMismatch("head shard order does not match the calibration's groups")
@@ -474,6 +503,8 @@ def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
         }
         if meta.get("queries") is not None:
             names |= {"queries", "queries.scale"}
+            if meta["queries"].get("map"):
+                names.add("queries.map")
         return names
     except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None

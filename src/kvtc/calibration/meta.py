@@ -62,11 +62,13 @@ _KINDS = ("keys", "values")
 #: values are then steps, not clips in (0, 1]).
 #: 7: any of 4-6 that also records each head's mean query (tensors ``queries`` and ``queries.scale``, metadata
 #: ``queries``), which the encoder's token-adaptive rates read; a calibration without them is written as before.
+#: 8: version 7 that also records the key-to-query map (tensor ``queries.map``, metadata ``queries`` ``map``).
 FORMAT_VERSION = 4
 INT1_VERSION = 5
 FIXED_VERSION = 6
 QUERIES_VERSION = 7
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+QUERY_MAP_VERSION = 8
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 
@@ -78,11 +80,15 @@ def needed_version(types: frozenset[int], weighted: bool) -> int:
     return INT1_VERSION if INT1S in types else 3 if not types <= _V2_TYPES else 2 if weighted else 1
 
 
-def saved_version(types: frozenset[int], weighted: bool, legacy: bool, queries: bool = False) -> int:
-    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6, or 7
-    when it records mean queries."""
+def saved_version(
+    types: frozenset[int], weighted: bool, legacy: bool, queries: bool = False, query_map: bool = False
+) -> int:
+    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6, 7
+    when it records mean queries, 8 when it also records the key-to-query map."""
     if legacy:
         return needed_version(types, weighted)
+    if query_map:
+        return QUERY_MAP_VERSION
     if queries:
         return QUERIES_VERSION
     return max(FORMAT_VERSION, needed_version(types, weighted))
@@ -143,9 +149,17 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
     groups, width = _groups(meta.get("grouping"), limits, heads, head_dim, f"{where} 'grouping'")
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
+    if version >= QUERY_MAP_VERSION and meta.get("queries") is None:
+        raise CalibrationError(f"{where}: a version-{version} file without its 'queries'; the file is corrupt")
     if meta.get("queries") is not None:
         q = meta["queries"]
-        if version < QUERIES_VERSION or not isinstance(q, dict) or set(q) != {"per_kv_head"}:
+        fields = {"per_kv_head", "map"} if version >= QUERY_MAP_VERSION else {"per_kv_head"}
+        if (
+            version < QUERIES_VERSION
+            or not isinstance(q, dict)
+            or set(q) != fields
+            or (version >= QUERY_MAP_VERSION and q["map"] is not True)
+        ):
             raise CalibrationError(
                 f"{where} 'queries' is malformed or in a version-{version} file; the file is corrupt"
             )

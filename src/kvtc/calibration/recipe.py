@@ -81,9 +81,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
     # first documents on ("first")
     "sampling": ("spread", "first"),
-    # record each attention head's mean pre-RoPE query over the calibration windows ("mean", ours: the encoder's
-    # token-adaptive rates rank tokens by the attention these give them, kvtc.codec.tiers) or not ("none")
-    "queries": ("mean", "none"),
+    # record each attention head's mean pre-RoPE query over the calibration windows and a map predicting each query
+    # from its token's own key ("keys", ours: the encoder's token-adaptive rates rank tokens by the attention the
+    # newest tokens' predicted queries give them, kvtc.codec.tiers), the mean queries alone ("mean": the ranking
+    # uses them) or neither ("none")
+    "queries": ("keys", "mean", "none"),
 }
 KV_SPLITS = CHOICES["kv_split"]
 SENSITIVITIES = CHOICES["sensitivity"]
@@ -114,7 +116,8 @@ class Recipe:
     (``"fisher"`` weighs features by the loss's sensitivity, ``"none"`` does not) measured on
     ``sensitivity_windows`` windows of ``sensitivity_context`` + ``sensitivity_continuation`` tokens with
     ``sensitivity_labels``, resolved per ``sensitivity_resolution`` and floored at ``sensitivity_floor``;
-    ``queries`` (``"mean"``: record each head's mean query for the encoder's token-adaptive rates).
+    ``queries`` (``"keys"``: record each head's mean query and the key-to-query map for the encoder's
+    token-adaptive rates; ``"mean"``: the mean queries alone).
     """
 
     ratios: tuple[float, ...] = DEFAULT_RATIOS
@@ -138,7 +141,7 @@ class Recipe:
     sensitivity_continuation: int = SENSITIVITY_CONTINUATION
     sensitivity_labels: str = "text"
     sampling: str = "spread"
-    queries: str = "mean"
+    queries: str = "keys"
     tokens: int = DEFAULT_TOKENS
     window: int = DEFAULT_WINDOW_TOKENS
     sinks: int = DEFAULT_CALIBRATION_SINKS
@@ -237,19 +240,23 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: with 7.5 and 10 between; r9u: the same without weighting. (r8 counted packed bits without int1s; r7 took the
 #: corpus's first windows.)
 #: r10: r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without weighting.
-#: r11 (now the default): r10 plus each head's mean query and the tiers' targets (4, 18, 36, 72, 96), for the
+#: r11: r10 plus each head's mean query and the tiers' targets (4, 18, 36, 72, 96), for the
 #: token-adaptive rates; r11u without weighting.
+#: r12 (now the default): r11 plus the key-to-query map, so that the tiers rank tokens by the attention of the newest
+#: tokens' queries predicted from their exact keys instead of the mean queries'; r12u without weighting.
 _R10 = {"ratios": R10_RATIOS, "queries": "none"}
 _R9 = {"types": R9_TYPES, "rate": "coded", **_R10}
 RECIPES: dict[str, Recipe] = {
-    "r11": Recipe(),
-    "r11u": Recipe(sensitivity="none"),
+    "r12": Recipe(),
+    "r12u": Recipe(sensitivity="none"),
+    "r11": Recipe(queries="mean"),
+    "r11u": Recipe(sensitivity="none", queries="mean"),
     "r10": Recipe(**_R10),
     "r10u": Recipe(sensitivity="none", **_R10),
     "r9": Recipe(**_R9),
     "r9u": Recipe(sensitivity="none", **_R9),
 }
-DEFAULT_RECIPE = "r11"
-UNWEIGHTED_RECIPE = "r11u"
+DEFAULT_RECIPE = "r12"
+UNWEIGHTED_RECIPE = "r12u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

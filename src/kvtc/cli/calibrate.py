@@ -75,10 +75,11 @@ def add_calibrate(sub: Any) -> None:
     )
     p.add_argument(
         "--queries",
-        choices=("mean", "none"),
-        default="mean",
-        help="mean: record each attention head's mean query, so that encoders spend more bits on the tokens "
-        "attention reads (token-adaptive rates; default); none: every middle token gets the same plan",
+        choices=("keys", "mean", "none"),
+        default="keys",
+        help="keys: record each attention head's mean query and a map predicting a token's query from its key, so "
+        "that encoders spend more bits on the tokens the newest tokens' (predicted) queries read (token-adaptive "
+        "rates; default); mean: rank by the mean queries alone; none: every middle token gets the same plan",
     )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
@@ -162,7 +163,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
         have = {ratio_key(r) for r in cal.ratios}
         tiered = [r for r in cal.ratios if all(ratio_key(t) in have for t in tier_targets(r))]
-        print(f"  mean queries: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
+        what = "mean queries and key-to-query map" if cal.query_map is not None else "mean queries"
+        print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:
         print("  mean queries: not recorded (one plan for every middle token)")
     print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")

@@ -54,9 +54,9 @@ class Codec:
     ``inspect(bytes) -> dict``. ``Codec.identity()`` stores raw tokens through the same container.
 
     ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes a
-    quarter of each group's middle tokens, those the calibration's mean queries attend to most, at half the
-    target and the rest at 1.5 times it (:mod:`kvtc.codec.tiers`) when the calibration records mean queries and has
-    plans for both; else, and with ``"none"``, one plan for every token. ``(high, low)``: those two targets
+    quarter of each group's middle tokens, those the newest tokens' queries attend to most (predicted from their
+    keys by the calibration's key-to-query map, or its mean queries), at half the target and the rest at 1.5 times
+    it (:mod:`kvtc.codec.tiers`) when the calibration records queries and has plans for both; else, and with ``"none"``, one plan for every token. ``(high, low)``: those two targets
     (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
     """
 
@@ -221,7 +221,9 @@ class Codec:
         """Each PCA group's high-tier mask (bool ``[B·middle]``; None for a group that codes no token)."""
         cal = self.calibration
         assert cal is not None and cal.queries is not None and header.tiers is not None
-        mass = tiers.attention_mass(kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, self._rope)
+        mass = tiers.attention_mass(
+            kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, self._rope, cal.query_map
+        )
         out: list[torch.Tensor | None] = []
         for g, (start, m) in enumerate(middles):
             layers = tiers.group_layers(cal.columns[g], kv.layout)

@@ -8,10 +8,12 @@ the blob stores what the plain target stores: ``share/high + (1 - share)/low = 1
 (``high = target/2``, ``low = 3·target/2``) the share is a quarter.
 
 Which tokens attention reads is estimated from what the encoder holds: the exact cache and, from the calibration,
-each head's mean pre-RoPE query over the calibration corpus (``Calibration.queries``). Those mean queries are
-rotated to ``QUERY_POSITIONS`` of the slice's newest ``RECENT`` positions, and the softmax attention they give every
-token a layer holds (causal, within the layer's sliding window) is summed over the group's layers, heads and
-queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens attention reads": this ranking lowered next-token KL
+a map that predicts each query head's pre-RoPE query from its token's own pre-RoPE key (``Calibration.query_map``,
+a ridge regression fitted on the calibration corpus; calibrations of recipe r11 have only each head's mean query,
+``Calibration.queries``, which then stands in for every query). The queries of ``QUERY_POSITIONS`` of the slice's
+newest ``RECENT`` positions (whose keys the codec keeps exact) are predicted from their keys and rotated to their
+positions, and the softmax attention they give every token a layer holds (causal, within the layer's sliding
+window) is summed over the group's layers, heads and queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens attention reads": this ranking lowered next-token KL
 by 25-45% at 16-32x; a random ranking made it worse). The decoder does not rank anything: the blob carries each
 group's choice as a bit mask (section ``tiers.{g}``, docs/FORMAT.md), so decoding never depends on the queries.
 """
@@ -50,15 +52,32 @@ def high_count(middle: int, frac: float) -> int:
     return min(middle, max(0, int(middle * frac + 0.5)))
 
 
+def predicted_queries(keys: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
+    """``[B, Q, L, H·G, D]`` float32: each query head's pre-RoPE query predicted from its token's pre-RoPE key
+    ``keys`` ``[B, Q, L, H, D]`` by ``query_map`` ``[L, H, D + 1, G·D]`` (the last row: the intercept)."""
+    B, Q, L, H, D = keys.shape
+    m = query_map.to(keys.device, torch.float32)
+    q = torch.einsum("bqlhd,lhde->bqlhe", keys.float(), m[:, :, :D]) + m[:, :, D]
+    return q.reshape(B, Q, L, H * (m.shape[-1] // D), D)
+
+
 def attention_mass(
-    keys: torch.Tensor, positions: torch.Tensor, layout: Any, queries: torch.Tensor, scales: torch.Tensor, rope: Any
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    layout: Any,
+    queries: torch.Tensor,
+    scales: torch.Tensor,
+    rope: Any,
+    query_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[B, L, T]`` float32: the attention each token of each layer receives from the mean queries placed at the
-    slice's newest positions (zero for tokens a layer does not hold).
+    """``[B, L, T]`` float32: the attention each token of each layer receives from queries at the slice's newest
+    positions (zero for tokens a layer does not hold): those predicted from their keys by ``query_map`` when given,
+    else the mean queries.
 
     ``keys``: the slice's pre-RoPE keys ``[B, T, L, H, D]``; ``queries``: ``[L, H, G, D]`` mean pre-RoPE queries
     (``G`` query heads per KV head); ``scales``: ``[L]`` the attention's logit scale; ``rope``: the model's
-    :class:`~kvtc.rope.RopeSpec` or None (no RoPE)."""
+    :class:`~kvtc.rope.RopeSpec` or None (no RoPE); ``query_map``: ``[L, H, D + 1, G·D]``
+    (:func:`predicted_queries`)."""
     B, T, L, H, D = keys.shape
     dev = keys.device
     out = torch.zeros((B, L, T), dtype=torch.float32, device=dev)
@@ -69,7 +88,10 @@ def attention_mass(
     Q = q_idx.numel()
     G = queries.shape[2]
     k = keys.float()
-    q = queries.to(dev, torch.float32).reshape(1, 1, L, H * G, D).expand(B, Q, L, H * G, D)
+    if query_map is not None:
+        q = predicted_queries(k[:, q_idx], query_map)
+    else:
+        q = queries.to(dev, torch.float32).reshape(1, 1, L, H * G, D).expand(B, Q, L, H * G, D)
     qpos = positions[:, q_idx]
     if rope is not None:
         k = rope.apply(k, positions, list(layout.layers))
@@ -150,6 +172,7 @@ __all__ = [
     "high_count",
     "mask_bytes",
     "pack_mask",
+    "predicted_queries",
     "share",
     "tier_targets",
     "unpack_mask",

@@ -318,8 +318,9 @@ def calibrate_model(
     )
     with contextlib.ExitStack() as stack:
         recorder = None
-        if recipe.queries == "mean":  # each head's mean query, recorded while the rows are collected
-            recorder = stack.enter_context(recording_queries(model, layout, rope, recipe.sinks))
+        if recipe.queries != "none":  # each head's mean query (and the key-to-query map), recorded with the rows
+            keys = recipe.queries == "keys"
+            recorder = stack.enter_context(recording_queries(model, layout, rope, recipe.sinks, keys))
         cal = fit_calibration(
             layout,
             timer.iterate(rows, "collect"),
@@ -332,7 +333,8 @@ def calibrate_model(
         )
     if recorder is not None:
         queries, scales = recorder.result()
-        cal = dataclasses.replace(cal, queries=queries, query_scales=scales)
+        qmap = recorder.query_map() if recorder.keys else None
+        cal = dataclasses.replace(cal, queries=queries, query_scales=scales, query_map=qmap)
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     cal.stats["seconds"]["collect"] = round(timer.seconds["collect"], 3)
@@ -342,7 +344,7 @@ def calibrate_model(
 
 def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model: str = "smollm2") -> Path:
     """An embedded model's calibration on pre-2000 State of the Union speeches made with a named ``recipe``
-    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r11, ``Recipe(sensitivity="none")`` r11u, the
+    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r12, ``Recipe(sensitivity="none")`` r12u, the
     unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path.
 
     ``model`` names the embedded model (:func:`kvtc.assets.embedded_model`: ``"smollm2"``, the default, or

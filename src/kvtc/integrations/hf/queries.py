@@ -1,7 +1,10 @@
-"""Each attention head's mean pre-RoPE query, recorded while a transformers model runs the calibration windows.
+"""Each attention head's mean pre-RoPE query, and a map that predicts a token's query from its own key, recorded while
+a transformers model runs the calibration windows.
 
-The encoder's token-adaptive rates (:mod:`kvtc.codec.tiers`) rank a cache's tokens by the attention these mean
-queries give them. They are recorded through transformers' public attention registry: for the duration of
+The encoder's token-adaptive rates (:mod:`kvtc.codec.tiers`) rank a cache's tokens by the attention that queries
+give them: the mean queries, or (with the map) the queries predicted from the newest tokens' exact keys. The map is
+a ridge regression per layer and KV head, ``[key, 1] @ map`` giving the pre-RoPE queries of the ``G`` query heads
+that read that KV head, fitted on the same tokens as the mean. They are recorded through transformers' public attention registry: for the duration of
 :func:`recording_queries` the model runs a registered attention function (``kvtc_query_recorder``) that notes each
 layer's queries (post-RoPE, as the attention receives them; rotated back with the model's
 :class:`~kvtc.rope.RopeSpec`, as kvtc does with keys) and the logit scale, and then computes attention with
@@ -23,13 +26,20 @@ from ...errors import CalibrationError
 RECORDER = "kvtc_query_recorder"
 
 
-class QueryRecorder:
-    """Sums of each layer's pre-RoPE queries past the first ``sinks`` positions of prefill passes."""
+#: the ridge of the key-to-query map, relative to the mean diagonal of each head's key Gram matrix
+RIDGE = 1e-2
 
-    def __init__(self, layout: Any, rope: Any, sinks: int):
-        self.layout, self.rope, self.sinks = layout, rope, sinks
+
+class QueryRecorder:
+    """Sums of each layer's pre-RoPE queries past the first ``sinks`` positions of prefill passes (and, with
+    ``keys``, the moments of a regression of those queries on the tokens' own pre-RoPE keys)."""
+
+    def __init__(self, layout: Any, rope: Any, sinks: int, keys: bool = False):
+        self.layout, self.rope, self.sinks, self.keys = layout, rope, sinks, keys
         self._index = {layer: i for i, layer in enumerate(layout.layers)}
         self.sums: list[torch.Tensor | None] = [None] * len(layout.layers)
+        self.gram: list[torch.Tensor | None] = [None] * len(layout.layers)  # [H, D+1, D+1]
+        self.cross: list[torch.Tensor | None] = [None] * len(layout.layers)  # [H, D+1, G*D]
         self.counts = [0] * len(layout.layers)
         self.scales = [0.0] * len(layout.layers)
 
@@ -45,8 +55,47 @@ class QueryRecorder:
             q = self.rope.invert(q, pos, [self.layout.layers[i]])
         s = q[:, self.sinks :, 0].sum((0, 1)).double().cpu()  # [Hq, D]
         self.sums[i] = s if self.sums[i] is None else self.sums[i] + s
+        if self.keys:
+            self._moments(i, q[:, self.sinks :, 0], key)
         self.counts[i] += B * (T - self.sinks)
         self.scales[i] = float(scaling if scaling is not None else D**-0.5)
+
+    def _moments(self, i: int, q: torch.Tensor, key: torch.Tensor) -> None:
+        """Add the regression moments of layer ``i``: ``q`` ``[B, n, Hq, D]`` pre-RoPE queries past the sinks,
+        ``key`` ``[B, Hkv, T, D]`` as the attention received it."""
+        B, T = key.shape[0], key.shape[2]
+        k = key.detach().float().transpose(1, 2)[:, :, None]  # [B, T, 1, Hkv, D]
+        if self.rope is not None:
+            pos = torch.arange(T, device=k.device)[None].expand(B, T)
+            k = self.rope.invert(k, pos, [self.layout.layers[i]])
+        k = k[:, self.sinks :, 0].double()  # [B, n, Hkv, D]
+        hkv, hq = k.shape[2], q.shape[2]
+        if hq % hkv:
+            raise CalibrationError(f"{hq} query heads do not divide among {hkv} KV heads")
+        x = torch.cat([k, torch.ones_like(k[..., :1])], -1).transpose(1, 2).reshape(B, hkv, -1, k.shape[-1] + 1)
+        x = x.transpose(0, 1).reshape(hkv, -1, k.shape[-1] + 1)  # [Hkv, B*n, D+1]
+        y = q.double().reshape(B, q.shape[1], hkv, -1).transpose(1, 2).transpose(0, 1).reshape(hkv, x.shape[1], -1)
+        g, c = (x.transpose(1, 2) @ x).cpu(), (x.transpose(1, 2) @ y).cpu()
+        self.gram[i] = g if self.gram[i] is None else self.gram[i] + g
+        self.cross[i] = c if self.cross[i] is None else self.cross[i] + c
+
+    def query_map(self) -> torch.Tensor:
+        """``[layers, kv heads, head_dim + 1, G · head_dim]`` float32: the ridge regression of each head group's
+        pre-RoPE queries on its KV head's pre-RoPE key and a constant (the last row: the intercept)."""
+        lay = self.layout
+        if not self.keys or any(g is None for g in self.gram):
+            raise CalibrationError("no key-to-query moments were recorded; calibrate with the recipe's queries='keys'")
+        out = []
+        for g, c in zip(self.gram, self.cross):
+            assert g is not None and c is not None
+            d = g.shape[-1]
+            ridge = RIDGE * g[:, : d - 1, : d - 1].diagonal(dim1=1, dim2=2).mean(1)  # the constant is not shrunk
+            eye = torch.eye(d, dtype=g.dtype)
+            eye[-1, -1] = 0
+            a = torch.linalg.solve(g + ridge[:, None, None] * eye + 1e-9 * torch.eye(d, dtype=g.dtype), c)
+            out.append(a)
+        m = torch.stack(out).float()  # [L, Hkv, D+1, G*D]
+        return m[:, list(lay.heads)].contiguous()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([layers, kv heads, G, head_dim], [layers])`` float32: the mean queries and logit scales."""
@@ -67,13 +116,14 @@ class QueryRecorder:
 
 
 @contextmanager
-def recording_queries(model: Any, layout: Any, rope: Any, sinks: int) -> Iterator[QueryRecorder]:
-    """Run ``model`` with the query recorder as its attention inside the block; yields the recorder."""
+def recording_queries(model: Any, layout: Any, rope: Any, sinks: int, keys: bool = False) -> Iterator[QueryRecorder]:
+    """Run ``model`` with the query recorder as its attention inside the block (``keys``: also the moments of the
+    key-to-query map); yields the recorder."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    recorder = QueryRecorder(layout, rope, sinks)
+    recorder = QueryRecorder(layout, rope, sinks, keys)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kw: Any):
