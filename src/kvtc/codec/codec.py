@@ -56,8 +56,8 @@ class Codec:
     ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes a
     quarter of each group's middle tokens, those the newest tokens' queries attend to most (predicted from their
     keys by the calibration's key-to-query map, or its mean queries), at half the target and the rest at 1.5 times
-    it (:mod:`kvtc.codec.tiers`) when the calibration records queries and has plans for both; else, and with ``"none"``, one plan for every token. ``(high, low)``: those two targets
-    (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
+    it (:mod:`kvtc.codec.tiers`) when the calibration records queries and has plans for both; else, and with
+    ``"none"``, one plan for every token. ``(high, low)``: those two targets (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
     """
 
     def __init__(

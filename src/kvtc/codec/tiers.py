@@ -13,8 +13,9 @@ a ridge regression fitted on the calibration corpus; calibrations of recipe r11 
 ``Calibration.queries``, which then stands in for every query). The queries of ``QUERY_POSITIONS`` of the slice's
 newest ``RECENT`` positions (whose keys the codec keeps exact) are predicted from their keys and rotated to their
 positions, and the softmax attention they give every token a layer holds (causal, within the layer's sliding
-window) is summed over the group's layers, heads and queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens attention reads": this ranking lowered next-token KL
-by 25-45% at 16-32x; a random ranking made it worse). The decoder does not rank anything: the blob carries each
+window) is summed over the group's layers, heads and queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens
+attention reads": ranking by mean queries lowered next-token KL by 25-45% at 16-32x, a random ranking made it worse;
+"Recipe r12": predicted queries lower it 3-4% more). The decoder does not rank anything: the blob carries each
 group's choice as a bit mask (section ``tiers.{g}``, docs/FORMAT.md), so decoding never depends on the queries.
 """
 

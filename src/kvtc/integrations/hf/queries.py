@@ -4,11 +4,11 @@ a transformers model runs the calibration windows.
 The encoder's token-adaptive rates (:mod:`kvtc.codec.tiers`) rank a cache's tokens by the attention that queries
 give them: the mean queries, or (with the map) the queries predicted from the newest tokens' exact keys. The map is
 a ridge regression per layer and KV head, ``[key, 1] @ map`` giving the pre-RoPE queries of the ``G`` query heads
-that read that KV head, fitted on the same tokens as the mean. They are recorded through transformers' public attention registry: for the duration of
-:func:`recording_queries` the model runs a registered attention function (``kvtc_query_recorder``) that notes each
-layer's queries (post-RoPE, as the attention receives them; rotated back with the model's
-:class:`~kvtc.rope.RopeSpec`, as kvtc does with keys) and the logit scale, and then computes attention with
-PyTorch's scaled-dot-product kernel and transformers' own causal / sliding-window masks, as ``"sdpa"`` does. The
+that read that KV head, fitted on the same tokens as the mean. They are recorded through transformers' public
+attention registry: for the duration of :func:`recording_queries` the model runs a registered attention function
+(``kvtc_query_recorder``) that notes each layer's queries and keys (post-RoPE, as the attention receives them;
+rotated back with the model's :class:`~kvtc.rope.RopeSpec`, as kvtc does with keys) and the logit scale, and then
+computes attention with PyTorch's scaled-dot-product kernel and transformers' own causal / sliding-window masks, as ``"sdpa"`` does. The
 model's own attention implementation is restored afterwards.
 """
 
