@@ -341,3 +341,27 @@ def test_the_recorders_key_to_query_map_is_a_least_squares_fit(name):
             mean_res = float((y - y.mean(0)).pow(2).sum())
             # within 5% of the query variance of what least squares explains (the ridge shrinks a little)
             assert best <= got * (1 + 1e-9) and got <= best + 0.05 * mean_res, (name, layer, h)
+
+
+def test_auto_tiers_widen_the_low_tier_from_24x_and_fall_back_without_its_plan():
+    assert tiers.tier_targets(16) == (8, 24) and tiers.tier_targets(32) == (16, 96)
+    assert tiers.tier_candidates(16) == [(8, 24)]
+    assert tiers.tier_candidates(32) == [(16, 96), (16, 48)]
+    assert math.isclose(tiers.share(32, 16, 96), 0.4) and math.isclose(tiers.share(16, 8, 24), 0.25)
+    p = LAYOUT.num_features
+    ks, vs = LowRankSource(p, decay=1e-3, noise=1e-3, seed=1), LowRankSource(p, decay=1e-2, noise=1e-3, seed=2)
+    rows = [(ks.rows(1024), vs.rows(1024)) for _ in range(4)]
+    q = torch.randn(len(LAYOUT.layers), LAYOUT.num_kv_heads, G, D, generator=torch.Generator().manual_seed(3))
+
+    def with_ratios(*ratios):
+        base = fit_calibration(LAYOUT, rows, Recipe(ratios=ratios, dp_rows=1024), rope=_rope().to_dict())
+        return dataclasses.replace(base, queries=q, query_scales=torch.full((3,), D**-0.5))
+
+    wide = with_ratios(12, 24, 36, 72)
+    assert Codec(wide, 24, window=16).tiers == ("12", "72", 0.4)
+    older = with_ratios(12, 24, 36)  # an r11/r12 ladder: no plan at 3 times the target
+    assert Codec(older, 24, window=16).tiers == ("12", "36", 0.25)
+    assert Codec(with_ratios(24, 36), 24, window=16).tiers is None  # no high tier: one plan
+    blob = Codec(wide, 24, window=16).encode(tiered_slice())
+    assert Codec.inspect(blob)["tiers"] == {"high": "12", "low": "72", "share": 0.4}
+    assert Codec(wide, 12, tiers="none").decode(blob).keys.shape == tiered_slice().keys.shape

@@ -32,7 +32,9 @@ from .pca import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_RANK_CAP
 R10_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
 #: r11 adds the tiers of the token-adaptive rates (half and 1.5 times each of 8, 12, 16, 24, 32, 48, 64:
 #: :mod:`kvtc.codec.tiers`) that the ladder lacked
-DEFAULT_RATIOS: tuple[float, ...] = (4, *R10_RATIOS[:7], 18, 24, 32, 36, 48, 64, 72, 96)
+R12_RATIOS: tuple[float, ...] = (4, *R10_RATIOS[:7], 18, 24, 32, 36, 48, 64, 72, 96)
+#: r13: the low tiers of 48x and 64x at 3 times the target (:data:`kvtc.codec.tiers.WIDE_LOW_FACTOR`)
+DEFAULT_RATIOS: tuple[float, ...] = (*R12_RATIOS, 144, 192)
 #: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
 #: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
 #: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
@@ -242,21 +244,26 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: r10: r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without weighting.
 #: r11: r10 plus each head's mean query and the tiers' targets (4, 18, 36, 72, 96), for the
 #: token-adaptive rates; r11u without weighting.
-#: r12 (now the default): r11 plus the key-to-query map, so that the tiers rank tokens by the attention of the newest
+#: r12: r11 plus the key-to-query map, so that the tiers rank tokens by the attention of the newest
 #: tokens' queries predicted from their exact keys instead of the mean queries'; r12u without weighting.
+#: r13 (now the default): r12 plus plans at 144x and 192x, the low tiers of 48x and 64x at 3 times the target;
+#: r13u without weighting.
+_R12 = {"ratios": R12_RATIOS}
 _R10 = {"ratios": R10_RATIOS, "queries": "none"}
 _R9 = {"types": R9_TYPES, "rate": "coded", **_R10}
 RECIPES: dict[str, Recipe] = {
-    "r12": Recipe(),
-    "r12u": Recipe(sensitivity="none"),
-    "r11": Recipe(queries="mean"),
-    "r11u": Recipe(sensitivity="none", queries="mean"),
+    "r13": Recipe(),
+    "r13u": Recipe(sensitivity="none"),
+    "r12": Recipe(**_R12),
+    "r12u": Recipe(sensitivity="none", **_R12),
+    "r11": Recipe(queries="mean", **_R12),
+    "r11u": Recipe(sensitivity="none", queries="mean", **_R12),
     "r10": Recipe(**_R10),
     "r10u": Recipe(sensitivity="none", **_R10),
     "r9": Recipe(**_R9),
     "r9u": Recipe(sensitivity="none", **_R9),
 }
-DEFAULT_RECIPE = "r12"
-UNWEIGHTED_RECIPE = "r12u"
+DEFAULT_RECIPE = "r13"
+UNWEIGHTED_RECIPE = "r13u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

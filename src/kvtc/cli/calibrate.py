@@ -159,10 +159,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
     if cal.queries is not None:
-        from ..codec.tiers import tier_targets
+        from ..codec.tiers import tier_candidates
 
         have = {ratio_key(r) for r in cal.ratios}
-        tiered = [r for r in cal.ratios if all(ratio_key(t) in have for t in tier_targets(r))]
+        tiered = [r for r in cal.ratios if any(all(ratio_key(t) in have for t in p) for p in tier_candidates(r))]
         what = "mean queries and key-to-query map" if cal.query_map is not None else "mean queries"
         print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:

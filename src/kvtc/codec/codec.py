@@ -53,11 +53,12 @@ class Codec:
     ``Codec(calibration, ratio=16)``; ``encode(slice) -> bytes``; ``decode(bytes) -> KVSlice``;
     ``inspect(bytes) -> dict``. ``Codec.identity()`` stores raw tokens through the same container.
 
-    ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes a
-    quarter of each group's middle tokens, those the newest tokens' queries attend to most (predicted from their
+    ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes
+    a quarter of each group's middle tokens, those the newest tokens' queries attend to most (predicted from their
     keys by the calibration's key-to-query map, or its mean queries), at half the target and the rest at 1.5 times
-    it (:mod:`kvtc.codec.tiers`) when the calibration records queries and has plans for both; else, and with
-    ``"none"``, one plan for every token. ``(high, low)``: those two targets (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
+    it; from 24x on two fifths at half and the rest at 3 times (:mod:`kvtc.codec.tiers`; r11/r12 calibrations,
+    without those plans: 1.5 times), when the calibration records queries and has plans for both; else, and with ``"none"``, one plan for
+    every token. ``(high, low)``: those two targets (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
     """
 
     def __init__(
@@ -585,9 +586,10 @@ def _resolve_tiers(cal: Calibration, ratio: float, asked: Any) -> tuple[str, str
     if asked == "none":
         return None
     if asked == "auto":
-        high, low = tiers.tier_targets(ratio)
-        if cal.queries is None or ratio_key(high) not in cal.plans or ratio_key(low) not in cal.plans:
+        pairs = [p for p in tiers.tier_candidates(ratio) if all(ratio_key(r) in cal.plans for r in p)]
+        if cal.queries is None or not pairs:
             return None
+        high, low = pairs[0]
     else:
         try:
             high, low = (float(x) for x in asked)

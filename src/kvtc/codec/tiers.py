@@ -5,7 +5,10 @@ tokens take most of a layer's mass, and an error in a token no query reads costs
 each group's middle tokens with two of the calibration's plans: the ``share`` of them that attention reads most
 with the plan of a higher-quality target (``high``), the others with that of a lower one (``low``), chosen so that
 the blob stores what the plain target stores: ``share/high + (1 - share)/low = 1/target``. With the default tiers
-(``high = target/2``, ``low = 3·target/2``) the share is a quarter.
+``high = target/2`` and, from 24x on, ``low = 3·target`` (a share of two fifths), below it ``low = 3·target/2`` (a
+share of a quarter). Where the plain target is already lossy a cheap low tier does better than a middling one, below
+24x the other way round (BENCHMARKS.md "which tier targets a token-adaptive blob should use", measured on text the
+eval does not read); calibrations of recipes r11 and r12, without plans at 144x and 192x, fall back to 1.5 times.
 
 Which tokens attention reads is estimated from what the encoder holds: the exact cache and, from the calibration,
 a map that predicts each query head's pre-RoPE query from its token's own pre-RoPE key (``Calibration.query_map``,
@@ -31,6 +34,9 @@ from ..errors import FormatError
 #: the tiers' targets as multiples of the blob's target (the share of high-tier tokens follows, see :func:`share`)
 HIGH_FACTOR = 0.5
 LOW_FACTOR = 1.5
+#: from this target on, the low tier at ``WIDE_LOW_FACTOR`` times the target (when the calibration has its plan)
+WIDE_FROM = 24.0
+WIDE_LOW_FACTOR = 3.0
 #: the newest positions whose (mean) queries score the tokens, and how many of them are used
 RECENT = 128
 QUERY_POSITIONS = 32
@@ -38,7 +44,13 @@ QUERY_POSITIONS = 32
 
 def tier_targets(target: float) -> tuple[float, float]:
     """(high, low) targets of the default tiers of ``target``."""
-    return target * HIGH_FACTOR, target * LOW_FACTOR
+    return target * HIGH_FACTOR, target * (WIDE_LOW_FACTOR if target >= WIDE_FROM else LOW_FACTOR)
+
+
+def tier_candidates(target: float) -> list[tuple[float, float]]:
+    """The (high, low) pairs ``tiers="auto"`` tries for ``target``, best first: the default tiers, then those of
+    recipes r11 and r12 (low at ``LOW_FACTOR`` times the target)."""
+    return list(dict.fromkeys([tier_targets(target), (target * HIGH_FACTOR, target * LOW_FACTOR)]))
 
 
 def share(target: float, high: float, low: float) -> float:
@@ -174,7 +186,10 @@ __all__ = [
     "mask_bytes",
     "pack_mask",
     "predicted_queries",
+    "WIDE_FROM",
+    "WIDE_LOW_FACTOR",
     "share",
+    "tier_candidates",
     "tier_targets",
     "unpack_mask",
 ]
