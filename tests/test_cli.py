@@ -62,6 +62,13 @@ def test_calibrate_refuses_to_replace_a_file_without_force(capsys, tmp_path):
     assert existing.read_bytes() == b"a good file"
 
 
+def test_calibrate_help_names_the_default_ratio_ladder():
+    from kvtc.calibration.recipe import DEFAULT_RATIOS
+    from kvtc.cli.calibrate import RATIOS_HELP
+
+    assert RATIOS_HELP.endswith("(default " + " ".join(f"{r:g}" for r in DEFAULT_RATIOS) + ")")
+
+
 def test_calibrate_default_reuses_the_cached_calibration(capsys, small_calibration_path):
     from kvtc.calibration.fit import DEFAULT_RATIOS
 

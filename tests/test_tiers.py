@@ -14,6 +14,7 @@ import torch
 
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration
+from kvtc.calibration.artifact import ratio_key
 from kvtc.codec import Codec, container, tiers
 from kvtc.errors import CalibrationError, FormatError
 from kvtc.rope import RopeKind, RopeSpec
@@ -343,21 +344,31 @@ def test_the_recorders_key_to_query_map_is_a_least_squares_fit(name):
             assert best <= got * (1 + 1e-9) and got <= best + 0.05 * mean_res, (name, layer, h)
 
 
-def test_auto_tiers_widen_the_low_tier_from_24x_and_fall_back_without_its_plan():
-    assert tiers.tier_targets(16) == (8, 24) and tiers.tier_targets(32) == (16, 96)
+def test_auto_tiers_concentrate_from_24x_and_fall_back_without_their_plans():
+    assert tiers.tier_targets(16) == (8, 24) and tiers.tier_targets(32) == (12, 192)
+    assert tiers.tier_targets(24) == (12, 144) and tiers.tier_targets(64) == (16, 192)
     assert tiers.tier_candidates(16) == [(8, 24)]
-    assert tiers.tier_candidates(32) == [(16, 96), (16, 48)]
-    assert math.isclose(tiers.share(32, 16, 96), 0.4) and math.isclose(tiers.share(16, 8, 24), 0.25)
+    assert tiers.tier_candidates(32) == [(12, 192), (16, 96), (16, 48)]
+    assert tiers.tier_candidates(192) == [(96, 576), (96, 288)]  # a low tier at the cap would not bracket 192x
+    assert math.isclose(tiers.share(32, 12, 192), 1 / 3) and math.isclose(tiers.share(16, 8, 24), 0.25)
+    # where the calibration predicts its plans' error, that decides: a near-lossless 32x keeps half and 1.5 times
+    assert tiers.tier_candidates(32, plain_error=0.02) == [(16, 48)]
+    assert tiers.tier_candidates(16, plain_error=0.09)[0] == (12, 96)
     p = LAYOUT.num_features
     ks, vs = LowRankSource(p, decay=1e-3, noise=1e-3, seed=1), LowRankSource(p, decay=1e-2, noise=1e-3, seed=2)
     rows = [(ks.rows(1024), vs.rows(1024)) for _ in range(4)]
     q = torch.randn(len(LAYOUT.layers), LAYOUT.num_kv_heads, G, D, generator=torch.Generator().manual_seed(3))
 
-    def with_ratios(*ratios):
+    def with_ratios(*ratios, lossy=True):
         base = fit_calibration(LAYOUT, rows, Recipe(ratios=ratios, dp_rows=1024), rope=_rope().to_dict())
-        return dataclasses.replace(base, queries=q, query_scales=torch.full((3,), D**-0.5))
+        err = {ratio_key(r): {"keys": [0.2 if lossy else 0.01], "values": [0.01]} for r in ratios}
+        stats = {**base.stats, "predicted_relative_error": err}
+        return dataclasses.replace(base, queries=q, query_scales=torch.full((3,), D**-0.5), stats=stats)
 
-    wide = with_ratios(12, 24, 36, 72)
+    concentrated = with_ratios(12, 24, 36, 72, 144)
+    assert Codec(concentrated, 24, window=16).tiers == ("12", "144", round(tiers.share(24, 12, 144), 6))
+    assert Codec(with_ratios(12, 24, 36, 72, 144, lossy=False), 24, window=16).tiers == ("12", "36", 0.25)
+    wide = with_ratios(12, 24, 36, 72)  # an r13-style ladder without 144x: half and three times
     assert Codec(wide, 24, window=16).tiers == ("12", "72", 0.4)
     older = with_ratios(12, 24, 36)  # an r11/r12 ladder: no plan at 3 times the target
     assert Codec(older, 24, window=16).tiers == ("12", "36", 0.25)

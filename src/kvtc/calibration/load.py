@@ -31,7 +31,7 @@ def load_calibration(
     source: Calibration | str | os.PathLike[str], model: Any = None, progress: bool = True
 ) -> Calibration:
     """The calibration ``source`` names: a :class:`Calibration` (returned as is), a calibration file's path, or
-    ``"default"``: the embedded model's own (the ``r12`` recipe, built on first use and cached, one file per
+    ``"default"``: the embedded model's own (the ``r13`` recipe, built on first use and cached, one file per
     embedded model; see :func:`~kvtc.integrations.hf_calibrate.default_calibration`).
 
     ``model`` (optional) names the model it is for (hub id, local directory, ``"default"`` or an embedded model's

@@ -11,6 +11,8 @@ from ..errors import KVTCError
 from .common import DEFAULT_MODEL, check_out, positive_float, positive_int, ratio_value
 
 DEFAULT_CORPUS = "sotu-pre2000"
+#: written out (importing the recipe would import torch only to print --help); a test holds it to DEFAULT_RATIOS
+RATIOS_HELP = "target ratios to plan (default 4 6 7 7.5 8 10 12 16 18 24 32 36 48 64 72 96 144 192)"
 
 
 def add_calibrate(sub: Any) -> None:
@@ -27,9 +29,7 @@ def add_calibrate(sub: Any) -> None:
         help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia",
     )
     p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
-    p.add_argument(
-        "--ratios", type=ratio_value, nargs="+", help="target ratios to plan (default 6 7 7.5 8 10 12 16 24 32 48 64)"
-    )
+    p.add_argument("--ratios", type=ratio_value, nargs="+", help=RATIOS_HELP)
     p.add_argument(
         "--kv-split",
         choices=("joint", "equal"),
@@ -159,10 +159,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
     if cal.queries is not None:
+        from ..codec.codec import plain_error
         from ..codec.tiers import tier_candidates
 
         have = {ratio_key(r) for r in cal.ratios}
-        tiered = [r for r in cal.ratios if any(all(ratio_key(t) in have for t in p) for p in tier_candidates(r))]
+        tiered = [
+            r
+            for r in cal.ratios
+            if any(all(ratio_key(t) in have for t in p) for p in tier_candidates(r, plain_error(cal, r)))
+        ]
         what = "mean queries and key-to-query map" if cal.query_map is not None else "mean queries"
         print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:

@@ -4,11 +4,16 @@ A plain kvtc blob spends one bit plan on every middle token of a PCA group. Atte
 tokens take most of a layer's mass, and an error in a token no query reads costs nothing. A *tiered* blob codes
 each group's middle tokens with two of the calibration's plans: the ``share`` of them that attention reads most
 with the plan of a higher-quality target (``high``), the others with that of a lower one (``low``), chosen so that
-the blob stores what the plain target stores: ``share/high + (1 - share)/low = 1/target``. With the default tiers
-``high = target/2`` and, from 24x on, ``low = 3·target`` (a share of two fifths), below it ``low = 3·target/2`` (a
-share of a quarter). Where the plain target is already lossy a cheap low tier does better than a middling one, below
-24x the other way round (BENCHMARKS.md "which tier targets a token-adaptive blob should use", measured on text the
-eval does not read); calibrations of recipes r11 and r12, without plans at 144x and 192x, fall back to 1.5 times.
+the blob stores what the plain target stores: ``share/high + (1 - share)/low = 1/target``. Below 24x the default
+tiers are ``high = target/2`` and ``low = 3·target/2`` (a share of a quarter). Where the plain target is lossy
+(its plan's predicted relative error at least ``LOSSY_ERROR``: Gemma-3-270M from 24x, SmolLM2-135M not up to 64x;
+without that figure, from 24x) concentrating the bits pays: the high tier is no coarser than 12x (or a quarter of the target, if
+coarser), the low tier costs almost nothing (six times the target, at most 192x, the ladder's cheapest plan): 24x
+codes 12x/144x, 32x 12x/192x, 48x 12x/192x, 64x 16x/192x. Measured on text the eval does not read (BENCHMARKS.md
+"which tier targets a token-adaptive blob should use"): against halving and tripling the target, 3-7% lower
+next-token KL at 24x and 32x, 25% at 48x, 11% at 64x on Gemma-3-270M; below 24x there, and at 24x to 64x on
+SmolLM2-135M, a cheap low tier does worse (SmolLM2 32x: 12x/192x twice the KL of 16x/48x). Calibrations without
+those plans fall back to ``target/2`` and ``3·target``, then ``target/2`` and ``3·target/2``.
 
 Which tokens attention reads is estimated from what the encoder holds: the exact cache and, from the calibration,
 a map that predicts each query head's pre-RoPE query from its token's own pre-RoPE key (``Calibration.query_map``,
@@ -34,23 +39,44 @@ from ..errors import FormatError
 #: the tiers' targets as multiples of the blob's target (the share of high-tier tokens follows, see :func:`share`)
 HIGH_FACTOR = 0.5
 LOW_FACTOR = 1.5
-#: from this target on, the low tier at ``WIDE_LOW_FACTOR`` times the target (when the calibration has its plan)
+#: from this target on, concentrated tiers: the high one at ``max(WIDE_HIGH, target·WIDE_HIGH_FACTOR)``, the low one
+#: at ``min(target·WIDE_LOW_FACTOR, WIDE_LOW_CAP)``; recipe r13's (half, three times) is their first fallback
 WIDE_FROM = 24.0
-WIDE_LOW_FACTOR = 3.0
+#: ... or, where the calibration predicts its plans' error, from the target whose one-plan error (the largest
+#: predicted relative error over kinds and PCA groups) reaches this: Gemma-3-270M's 24x (0.096; 16x: 0.047), while
+#: SmolLM2-135M, whose 64x predicts 0.051, keeps half and 1.5 times, which measured best there at 24x to 64x
+LOSSY_ERROR = 0.07
+WIDE_HIGH = 12.0
+WIDE_HIGH_FACTOR = 0.25
+WIDE_LOW_FACTOR = 6.0
+WIDE_LOW_CAP = 192.0
+R13_LOW_FACTOR = 3.0
 #: the newest positions whose (mean) queries score the tokens, and how many of them are used
 RECENT = 128
 QUERY_POSITIONS = 32
 
 
-def tier_targets(target: float) -> tuple[float, float]:
-    """(high, low) targets of the default tiers of ``target``."""
-    return target * HIGH_FACTOR, target * (WIDE_LOW_FACTOR if target >= WIDE_FROM else LOW_FACTOR)
+def tier_targets(target: float, plain_error: float | None = None) -> tuple[float, float]:
+    """(high, low) targets of the default tiers of ``target``; ``plain_error``: the calibration's predicted relative
+    error of the target's one plan (None: decide by the target alone, ``WIDE_FROM``)."""
+    if not concentrated(target, plain_error):
+        return target * HIGH_FACTOR, target * LOW_FACTOR
+    return max(WIDE_HIGH, target * WIDE_HIGH_FACTOR), min(target * WIDE_LOW_FACTOR, WIDE_LOW_CAP)
 
 
-def tier_candidates(target: float) -> list[tuple[float, float]]:
-    """The (high, low) pairs ``tiers="auto"`` tries for ``target``, best first: the default tiers, then those of
-    recipes r11 and r12 (low at ``LOW_FACTOR`` times the target)."""
-    return list(dict.fromkeys([tier_targets(target), (target * HIGH_FACTOR, target * LOW_FACTOR)]))
+def concentrated(target: float, plain_error: float | None = None) -> bool:
+    """Whether ``target``'s one plan is lossy enough for concentrated tiers (see ``LOSSY_ERROR``)."""
+    return target >= WIDE_FROM if plain_error is None else plain_error >= LOSSY_ERROR
+
+
+def tier_candidates(target: float, plain_error: float | None = None) -> list[tuple[float, float]]:
+    """The (high, low) pairs ``tiers="auto"`` tries for ``target``, best first: the default tiers, then (where
+    those concentrate) recipe r13's half and three times the target, then half and 1.5 times; only pairs that
+    bracket the target. ``plain_error`` as for :func:`tier_targets`."""
+    wide = concentrated(target, plain_error)
+    pairs = [tier_targets(target, plain_error), (target * HIGH_FACTOR, target * R13_LOW_FACTOR)] if wide else []
+    pairs.append((target * HIGH_FACTOR, target * LOW_FACTOR))
+    return [p for p in dict.fromkeys(pairs) if p[0] < target < p[1]]
 
 
 def share(target: float, high: float, low: float) -> float:
@@ -179,14 +205,20 @@ __all__ = [
     "LOW_FACTOR",
     "QUERY_POSITIONS",
     "RECENT",
+    "LOSSY_ERROR",
     "attention_mass",
+    "concentrated",
     "choose",
     "group_layers",
     "high_count",
     "mask_bytes",
     "pack_mask",
     "predicted_queries",
+    "R13_LOW_FACTOR",
     "WIDE_FROM",
+    "WIDE_HIGH",
+    "WIDE_HIGH_FACTOR",
+    "WIDE_LOW_CAP",
     "WIDE_LOW_FACTOR",
     "share",
     "tier_candidates",

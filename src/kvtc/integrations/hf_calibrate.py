@@ -344,7 +344,7 @@ def calibrate_model(
 
 def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model: str = "smollm2") -> Path:
     """An embedded model's calibration on pre-2000 State of the Union speeches made with a named ``recipe``
-    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r12, ``Recipe(sensitivity="none")`` r12u, the
+    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r13, ``Recipe(sensitivity="none")`` r13u, the
     unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path.
 
     ``model`` names the embedded model (:func:`kvtc.assets.embedded_model`: ``"smollm2"``, the default, or
