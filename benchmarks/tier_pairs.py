@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    _report.publish("tier_pairs", result, markdown(result))
+    # one section per model: gemma3's keeps the plain name
+    _report.publish("tier_pairs" if args.model == "gemma3" else f"tier_pairs_{args.model}", result, markdown(result))
     return 0
 
 
@@ -102,7 +103,8 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         lines.append(f"| {TEXTS.get(r['text'], r['text'])} | {r['method']} | " + _report.roundtrip_cells(r))
-    lines += ["", "Result: `benchmarks/results/tier_pairs.json`."]
+    name = "tier_pairs" if result["model"] == "gemma3" else f"tier_pairs_{result['model']}"
+    lines += ["", f"Result: `benchmarks/results/{name}.json`."]
     return "\n".join(lines)
 
 
