@@ -376,3 +376,16 @@ def test_auto_tiers_concentrate_from_24x_and_fall_back_without_their_plans():
     blob = Codec(wide, 24, window=16).encode(tiered_slice())
     assert Codec.inspect(blob)["tiers"] == {"high": "12", "low": "72", "share": 0.4}
     assert Codec(wide, 12, tiers="none").decode(blob).keys.shape == tiered_slice().keys.shape
+
+
+def test_plain_error_reads_the_fit_stats_and_ignores_malformed_ones():
+    from types import SimpleNamespace
+
+    def cal(stats):
+        return SimpleNamespace(stats=stats)
+
+    good = {"predicted_relative_error": {"32": {"keys": [0.01, 0.09], "values": [0.05]}}}
+    assert tiers.plain_error(cal(good), 32) == 0.09 and tiers.plain_error(cal(good), 16) is None
+    for bad in ({}, {"predicted_relative_error": []}, {"predicted_relative_error": {"32": {"keys": [None]}}},
+                {"predicted_relative_error": {"32": {"keys": 5}}}, {"predicted_relative_error": {"32": "x"}}):  # fmt: skip
+        assert tiers.plain_error(cal(bad), 32) is None  # then the target alone decides (WIDE_FROM)

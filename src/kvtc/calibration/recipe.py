@@ -33,8 +33,8 @@ R10_RATIOS: tuple[float, ...] = (6, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 64)
 #: r11 adds the tiers of the token-adaptive rates (half and 1.5 times each of 8, 12, 16, 24, 32, 48, 64:
 #: :mod:`kvtc.codec.tiers`) that the ladder lacked
 R12_RATIOS: tuple[float, ...] = (4, *R10_RATIOS[:7], 18, 24, 32, 36, 48, 64, 72, 96)
-#: r13: cheap low tiers from 24x on (:func:`kvtc.codec.tiers.tier_targets`: 24x codes 12x/144x, 32x to 64x
-#: x/192x)
+#: r13: cheap low tiers (:func:`kvtc.codec.tiers.tier_targets`: where a target's plain plan is lossy, its low tier
+#: at up to 192x; Gemma-3-270M's 24x codes 12x/144x, 32x and 48x 12x/192x, 64x 16x/192x)
 DEFAULT_RATIOS: tuple[float, ...] = (*R12_RATIOS, 144, 192)
 #: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
 #: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same

@@ -94,7 +94,7 @@ def add_calibrate(sub: Any) -> None:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from .. import assets
-    from ..calibration.artifact import Calibration, ratio_key
+    from ..calibration.artifact import Calibration
     from ..calibration.load import embedded_model_key
     from ..integrations.hf_calibrate import calibrate_model, default_calibration
     from ..quant import DROP, TYPE_NAMES
@@ -159,15 +159,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
     if cal.queries is not None:
-        from ..codec.codec import plain_error
-        from ..codec.tiers import tier_candidates
+        from ..codec.tiers import auto_pair
 
-        have = {ratio_key(r) for r in cal.ratios}
-        tiered = [
-            r
-            for r in cal.ratios
-            if any(all(ratio_key(t) in have for t in p) for p in tier_candidates(r, plain_error(cal, r)))
-        ]
+        tiered = [r for r in cal.ratios if auto_pair(cal, r) is not None]
         what = "mean queries and key-to-query map" if cal.query_map is not None else "mean queries"
         print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:

@@ -46,7 +46,8 @@ def add_compress(sub: Any) -> None:
         choices=("auto", "none"),
         default="auto",
         help="auto: a quarter of the middle tokens, those attention reads most, at half the ratio and the rest at "
-        "1.5 times it (from 24x: fewer at 12x or a quarter of the ratio, the rest at up to 192x), when the calibration allows (default); none: one plan "
+        "1.5 times it (where the calibration predicts a lossy plain plan: fewer at 12x or a quarter of the ratio, "
+        "the rest at up to 192x), when the calibration allows (default); none: one plan "
         "for every token",
     )
     p.add_argument("--max-tokens", type=positive_int, help="keep only the first N tokens of the text")

@@ -56,9 +56,9 @@ class Codec:
     ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes
     a quarter of each group's middle tokens, those the newest tokens' queries attend to most (predicted from their
     keys by the calibration's key-to-query map, or its mean queries), at half the target and the rest at 1.5 times
-    it; from 24x on fewer tokens at 12x (or a quarter of the target) and the rest at up to 192x
-    (:func:`kvtc.codec.tiers.tier_targets`; calibrations without those plans fall back), when the calibration records queries and has plans for both; else, and with ``"none"``, one plan for
-    every token. ``(high, low)``: those two targets (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
+    it; where the calibration predicts the plain plan is lossy, fewer tokens at 12x (or a quarter of the target) and
+    the rest at up to 192x (:func:`kvtc.codec.tiers.auto_pair`), when the calibration records queries and has plans
+    for both; else, and with ``"none"``, one plan for every token. ``(high, low)``: those two targets (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
     """
 
     def __init__(
@@ -581,27 +581,15 @@ class Codec:
         return info.inspect(blob)
 
 
-def plain_error(cal: Calibration, ratio: float) -> float | None:
-    """The calibration's predicted relative error of ``ratio``'s one plan: the largest over kinds and PCA groups
-    (``Calibration.stats``, written by the fit), or None where it was not recorded."""
-    pe = (cal.stats or {}).get("predicted_relative_error", {}).get(ratio_key(ratio))
-    try:
-        vals = [float(x) for v in pe.values() for x in v] if isinstance(pe, dict) else []
-    except (TypeError, ValueError):
-        return None
-    return max(vals) if vals else None
-
-
 def _resolve_tiers(cal: Calibration, ratio: float, asked: Any) -> tuple[str, str, float] | None:
     """(high, low, share) for a codec of ``cal`` at ``ratio`` asked for ``asked`` tiers, or None (one plan)."""
     if asked == "none":
         return None
     if asked == "auto":
-        candidates = tiers.tier_candidates(ratio, plain_error(cal, ratio))
-        pairs = [p for p in candidates if all(ratio_key(r) in cal.plans for r in p)]
-        if cal.queries is None or not pairs:
+        pair = tiers.auto_pair(cal, ratio)
+        if pair is None:
             return None
-        high, low = pairs[0]
+        high, low = pair
     else:
         try:
             high, low = (float(x) for x in asked)

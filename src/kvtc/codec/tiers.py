@@ -79,6 +79,32 @@ def tier_candidates(target: float, plain_error: float | None = None) -> list[tup
     return [p for p in dict.fromkeys(pairs) if p[0] < target < p[1]]
 
 
+def plain_error(cal: Any, target: float) -> float | None:
+    """The calibration's predicted relative error of ``target``'s one plan, the largest over kinds and PCA groups
+    (``Calibration.stats["predicted_relative_error"]``, written by the fit), or None where it is not recorded or
+    not numbers (the stats come from the file; a wrong figure can only change which recorded plans code a blob)."""
+    from ..calibration.artifact import ratio_key
+
+    pe = (cal.stats or {}).get("predicted_relative_error", {})
+    pe = pe.get(ratio_key(target)) if isinstance(pe, dict) else None
+    try:
+        vals = [float(x) for v in pe.values() for x in v] if isinstance(pe, dict) else []
+    except (TypeError, ValueError):
+        return None
+    return max(vals) if vals else None
+
+
+def auto_pair(cal: Any, target: float) -> tuple[float, float] | None:
+    """The (high, low) targets ``tiers="auto"`` codes ``target`` with under calibration ``cal``: the first of
+    :func:`tier_candidates` whose plans ``cal`` has, or None (no queries recorded, or no such pair: one plan)."""
+    from ..calibration.artifact import ratio_key
+
+    if cal.queries is None:
+        return None
+    pairs = tier_candidates(target, plain_error(cal, target))
+    return next((p for p in pairs if all(ratio_key(r) in cal.plans for r in p)), None)
+
+
 def share(target: float, high: float, low: float) -> float:
     """The share of tokens coded at ``high`` so that the blob stores what ``target`` stores."""
     if not high < target < low:
@@ -207,12 +233,14 @@ __all__ = [
     "RECENT",
     "LOSSY_ERROR",
     "attention_mass",
+    "auto_pair",
     "concentrated",
     "choose",
     "group_layers",
     "high_count",
     "mask_bytes",
     "pack_mask",
+    "plain_error",
     "predicted_queries",
     "R13_LOW_FACTOR",
     "WIDE_FROM",
