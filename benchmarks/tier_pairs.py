@@ -31,13 +31,16 @@ from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
 TEXTS = {"sotu-2000on": "speeches from 2000 on", "wikipedia": "Wikipedia"}
 
 
-def parse_pair(spec: str) -> tuple[float, float | None, float | None]:
-    """``target`` (one plan), ``target:high/low``."""
+def parse_pair(spec: str) -> tuple[float, Any]:
+    """``target`` (one plan), ``target:high/low`` (two tiers), ``target:two`` (the default two tiers, container
+    version 3) or ``target:auto`` (the codec's default: the rate ladder)."""
     if ":" not in spec:
-        return float(spec), None, None
+        return float(spec), "none"
     t, rest = spec.split(":")
+    if rest in ("two", "auto"):
+        return float(t), rest
     hi, lo = (float(x) for x in rest.split("/"))
-    return float(t), hi, lo
+    return float(t), (hi, lo)
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +51,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=11, help="window seed (kvtc eval draws with seed 0)")
     ap.add_argument("--texts", nargs="+", default=list(TEXTS))
     ap.add_argument("--pairs", nargs="+", default=["32", "32:16/48", "32:16/64", "32:16/96", "32:24/64"])
+    ap.add_argument("--section", help="the BENCHMARKS.md section and result file (default: tier_pairs[_model])")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -59,9 +63,10 @@ def main(argv: list[str]) -> int:
     )
     methods: list[Any] = [KIVI(2)]
     for spec in args.pairs:
-        t, hi, lo = parse_pair(spec)
-        tiers: Any = "none" if hi is None else (hi, lo)
-        label = f"kvtc {t:g}x" + ("" if hi is None else f" {hi:g}/{lo:g}")
+        t, tiers = parse_pair(spec)
+        label = f"kvtc {t:g}x" + (
+            "" if tiers == "none" else f" {tiers}" if isinstance(tiers, str) else " {:g}/{:g}".format(*tiers)
+        )
         methods.append(KVTC(cal, t, name=spec, label=label, tiers=tiers))
     rows = []
     for text in args.texts:
@@ -85,7 +90,9 @@ def main(argv: list[str]) -> int:
         "seconds": round(time.perf_counter() - t0, 1),
     }
     # one section per model: gemma3's keeps the plain name
-    _report.publish("tier_pairs" if args.model == "gemma3" else f"tier_pairs_{args.model}", result, markdown(result))
+    name = args.section or ("tier_pairs" if args.model == "gemma3" else f"tier_pairs_{args.model}")
+    result["section"] = name
+    _report.publish(name, result, markdown(result))
     return 0
 
 
@@ -103,8 +110,7 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         lines.append(f"| {TEXTS.get(r['text'], r['text'])} | {r['method']} | " + _report.roundtrip_cells(r))
-    name = "tier_pairs" if result["model"] == "gemma3" else f"tier_pairs_{result['model']}"
-    lines += ["", f"Result: `benchmarks/results/{name}.json`."]
+    lines += ["", f"Result: `benchmarks/results/{result['section']}.json`."]
     return "\n".join(lines)
 
 

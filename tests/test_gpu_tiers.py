@@ -22,8 +22,8 @@ def _cuda(kv):
 def test_gpu_tiered_blobs_decode_on_the_cpu_and_rank_as_the_cpu(precision):
     cal = tiered_calibration()
     kv = tiered_slice()
-    gpu = Codec(cal, 8, window=16, device="cuda", precision=precision)
-    cpu = Codec(cal, 8, window=16)
+    gpu = Codec(cal, 8, window=16, device="cuda", precision=precision, tiers="two")
+    cpu = Codec(cal, 8, window=16, tiers="two")
     assert gpu.tiers == cpu.tiers == ("4", "12", 0.25)
     blob = bytes(gpu.encode(_cuda(kv)))
     ref = cpu.encode(kv)

@@ -98,8 +98,8 @@ def test_choose_marks_each_sequences_most_attended_tokens():
 
 def test_tiered_blob_round_trips_and_spends_its_bits_on_the_chosen_tokens(cal):
     kv = tiered_slice()
-    codec = Codec(cal, 8, window=16)  # the sliding layer (60 tokens) then codes some too
-    assert codec.tiers == ("4", "12", 0.25)
+    codec = Codec(cal, 8, window=16, tiers="two")  # the sliding layer (60 tokens) then codes some too
+    assert codec.tiers == ("4", "12", 0.25) and codec.ladder is None
     blob = codec.encode(kv)
     info = Codec.inspect(blob)
     assert info["version"] == 3 and info["tiers"] == {"high": "4", "low": "12", "share": 0.25}
@@ -128,7 +128,7 @@ def container_middles(blob, cal):
     return spans.group_middles(header, cal.grouping)
 
 
-def _rewrite(blob: bytes, edit) -> bytes:
+def _rewrite(blob: bytes, edit, version: int = 3) -> bytes:
     """``blob`` with its header and sections passed through ``edit(header_dict, sections_bytes)`` and the CRCs
     recomputed: what a hostile writer can produce."""
     _, _, _, hlen, _ = container.PREFIX.unpack_from(blob, 0)
@@ -141,11 +141,11 @@ def _rewrite(blob: bytes, edit) -> bytes:
     for s, b in zip(d["sections"], bodies):
         s[2], s[3], s[4] = len(b), len(b), zlib.crc32(b)
     hdr = json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
-    return struct.pack("<4sHHII", b"KVTC", 3, 0, len(hdr), zlib.crc32(hdr)) + hdr + b"".join(bodies)
+    return struct.pack("<4sHHII", b"KVTC", version, 0, len(hdr), zlib.crc32(hdr)) + hdr + b"".join(bodies)
 
 
 def test_damaged_masks_and_tiers_are_refused(cal):
-    codec = Codec(cal, 8, backend="raw", window=16)
+    codec = Codec(cal, 8, backend="raw", window=16, tiers="two")
     blob = codec.encode(tiered_slice())
     codec.decode(_rewrite(blob, lambda d, b: None))  # the rewrite alone keeps it valid
 
@@ -366,14 +366,14 @@ def test_auto_tiers_concentrate_from_24x_and_fall_back_without_their_plans():
         return dataclasses.replace(base, queries=q, query_scales=torch.full((3,), D**-0.5), stats=stats)
 
     concentrated = with_ratios(12, 24, 36, 72, 144)
-    assert Codec(concentrated, 24, window=16).tiers == ("12", "144", round(tiers.share(24, 12, 144), 6))
-    assert Codec(with_ratios(12, 24, 36, 72, 144, lossy=False), 24, window=16).tiers == ("12", "36", 0.25)
+    assert Codec(concentrated, 24, window=16, tiers="two").tiers == ("12", "144", round(tiers.share(24, 12, 144), 6))
+    assert Codec(with_ratios(12, 24, 36, 72, 144, lossy=False), 24, window=16, tiers="two").tiers == ("12", "36", 0.25)
     wide = with_ratios(12, 24, 36, 72)  # an r13-style ladder without 144x: half and three times
-    assert Codec(wide, 24, window=16).tiers == ("12", "72", 0.4)
+    assert Codec(wide, 24, window=16, tiers="two").tiers == ("12", "72", 0.4)
     older = with_ratios(12, 24, 36)  # an r11/r12 ladder: no plan at 3 times the target
-    assert Codec(older, 24, window=16).tiers == ("12", "36", 0.25)
-    assert Codec(with_ratios(24, 36), 24, window=16).tiers is None  # no high tier: one plan
-    blob = Codec(wide, 24, window=16).encode(tiered_slice())
+    assert Codec(older, 24, window=16, tiers="two").tiers == ("12", "36", 0.25)
+    assert Codec(with_ratios(24, 36), 24, window=16, tiers="two").tiers is None  # no high tier: one plan
+    blob = Codec(wide, 24, window=16, tiers="two").encode(tiered_slice())
     assert Codec.inspect(blob)["tiers"] == {"high": "12", "low": "72", "share": 0.4}
     assert Codec(wide, 12, tiers="none").decode(blob).keys.shape == tiered_slice().keys.shape
 

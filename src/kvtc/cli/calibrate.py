@@ -159,9 +159,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     print(f"  quantization types in the plans: {', '.join(used) or 'none'}")
     if cal.queries is not None:
-        from ..codec.tiers import auto_pair
+        from ..codec.tiers import auto_pair, ladder_rungs
 
-        tiered = [r for r in cal.ratios if auto_pair(cal, r) is not None]
+        tiered = [r for r in cal.ratios if ladder_rungs(cal, r) is not None or auto_pair(cal, r) is not None]
         what = "mean queries and key-to-query map" if cal.query_map is not None else "mean queries"
         print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:

@@ -43,12 +43,12 @@ def add_compress(sub: Any) -> None:
     p.add_argument("--identity", action="store_true", help="store the KV uncompressed (no calibration needed)")
     p.add_argument(
         "--tiers",
-        choices=("auto", "none"),
+        choices=("auto", "two", "none"),
         default="auto",
-        help="auto: a quarter of the middle tokens, those attention reads most, at half the ratio and the rest at "
-        "1.5 times it (where the calibration predicts a lossy plain plan: fewer at 12x or a quarter of the ratio, "
-        "the rest at up to 192x), when the calibration allows (default); none: one plan "
-        "for every token",
+        help="auto: the rate ladder, each token of each kind and layer group coded by the calibration's plan from "
+        "ratio/8 to 8x ratio that serves it best for the bytes, weighted by the attention it receives (container "
+        "version 4; default, when the calibration records queries); two: two tiers, a share of the tokens at a "
+        "finer plan and the rest at a coarser one (version 3); none: one plan for every token",
     )
     p.add_argument("--max-tokens", type=positive_int, help="keep only the first N tokens of the text")
     p.add_argument("--out", type=Path, required=True, help="the .kvtc file to write")

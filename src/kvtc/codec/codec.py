@@ -34,7 +34,7 @@ from ..layout import DTYPES, KVSlice
 from . import budget, container, gpu_decode, gpu_write, info, spans, tiers
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
-from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
+from .entropy import DEFAULT_BACKEND, Precoded, device_coder, encode_stream, get_backend
 from .packing import PACKINGS
 from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from .transform import PRECISIONS, PCATransform
@@ -100,10 +100,14 @@ class Codec:
             self._transform = PCATransform(calibration, self.device, precision, self._fused)
             plans = calibration.plans_for(self.ratio)
             self._plans = {kind: [PlanLayout.build(p) for p in plans[kind]] for kind in KINDS}
-        #: (high, low, share) of a tiered encode, or None
-        self.tiers = None if calibration is None else _resolve_tiers(calibration, float(self.ratio), tiers)
+        #: (high, low, share) of a two-tier encode (container version 3), or None
+        self.tiers: tuple[str, str, float] | None = None
+        #: the rungs (ratio keys) of a rate-ladder encode (container version 4), or None
+        self.ladder: tuple[str, ...] | None = None
+        if calibration is not None:
+            self.tiers, self.ladder = _resolve_tiers(calibration, float(self.ratio), tiers)
         self._rope = None
-        if self.tiers is not None and calibration.rope is not None:
+        if (self.tiers is not None or self.ladder is not None) and calibration.rope is not None:
             from ..rope import RopeSpec
 
             self._rope = RopeSpec.from_dict(calibration.rope)
@@ -149,6 +153,8 @@ class Codec:
         )
         if self.tiers is not None and header.middle_tokens:
             header.tiers = self.tiers
+        if self.ladder is not None and header.middle_tokens:
+            header.rungs, header.rung_counts = self.ladder, {kind: [] for kind in KINDS}
         budget.check_sparsity(header)
         payloads: list[tuple[str, Any]] = [("positions", le_bytes(kv.positions))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
@@ -158,6 +164,10 @@ class Codec:
             middles = spans.group_middles(header, self.calibration.grouping)
             one_group = len(middles) == 1
             masks: list[torch.Tensor | None] | None = None
+            mass = None
+            if header.rungs:
+                with clock("tiers"):
+                    mass = self._attention_mass(kv)
             if header.tiers:
                 with clock("tiers"):
                     masks = self._choose_tiers(kv, header, middles)
@@ -176,7 +186,11 @@ class Codec:
                                 if not (self._fused and self.precision in ("bf16", "fp8")):
                                     r = r.float()
                         rows[(start, m)] = r
-                payloads.extend(self._encode_rows(kind, [rows.get(x) for x in middles], clock, masks))
+                group_rows = [rows.get(x) for x in middles]
+                if mass is not None:
+                    payloads.extend(self._encode_ladder(kind, group_rows, middles, mass, header, clock))
+                else:
+                    payloads.extend(self._encode_rows(kind, group_rows, clock, masks))
         with clock("entropy"):
             coder = device_coder(self.backend, self.device) if self._fused else None
             if (
@@ -221,15 +235,141 @@ class Codec:
     ) -> list[torch.Tensor | None]:
         """Each PCA group's high-tier mask (bool ``[B·middle]``; None for a group that codes no token)."""
         cal = self.calibration
-        assert cal is not None and cal.queries is not None and header.tiers is not None
-        mass = tiers.attention_mass(
-            kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, self._rope, cal.query_map
-        )
+        assert cal is not None and header.tiers is not None
+        mass = self._attention_mass(kv)
         out: list[torch.Tensor | None] = []
         for g, (start, m) in enumerate(middles):
             layers = tiers.group_layers(cal.columns[g], kv.layout)
             out.append(tiers.choose(mass, layers, start, m, header.tiers[2]) if m else None)
         return out
+
+    def _attention_mass(self, kv: KVSlice) -> torch.Tensor:
+        """``[B, L, T]``: the attention each token of each layer receives from the slice's newest queries
+        (:func:`kvtc.codec.tiers.attention_mass`)."""
+        cal = self.calibration
+        assert cal is not None and cal.queries is not None
+        return tiers.attention_mass(
+            kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, self._rope, cal.query_map
+        )
+
+    def _encode_ladder(
+        self,
+        kind: str,
+        group_rows: list[torch.Tensor | None],
+        middles: list[tuple[int, int]],
+        mass: torch.Tensor,
+        header: container.Header,
+        clock: Clock,
+    ) -> list[tuple[str, Any]]:
+        """Sections of each PCA group of a rate-ladder blob: the rung of each row (``rungs.{kind}.{g}``), chosen by
+        :func:`kvtc.codec.tiers.allocate` from each row's error under every rung's plan (per layer, weighted by the
+        attention its token receives there), then the rows of every rung, in token order, coded by its plan: the
+        rungs' sections of one name back to back as one section (``{kind}.{g}.params``, ``{kind}.{g}.{type}``).
+        Fills ``header.rung_counts[kind]``."""
+        cal = self.calibration
+        assert cal is not None and self.ladder is not None and header.rung_counts is not None
+        layouts = [plan_layouts(cal, r) for r in self.ladder]
+        target = float(self.ratio)  # type: ignore[arg-type]
+        per_layer = len(header.layout.heads) * header.layout.head_dim
+        out: list[tuple[str, Any]] = []
+        counts = header.rung_counts[kind]
+        for g, rows in enumerate(group_rows):
+            if rows is None:
+                counts.append([0] * len(self.ladder))
+                continue
+            cols = cal.columns[g]
+            x = rows if len(cal.columns) == 1 else rows[:, cols.to(rows.device)]
+            pls = [lay[kind][g] for lay in layouts]
+            kmax = max(pl.components for pl in pls)
+            with clock("project"):
+                coeffs = self._transform.project(kind, g, x, kmax)  # type: ignore[union-attr]
+            with clock("tiers"):
+                errs, costs = self._ladder_errors(kind, g, coeffs, pls, mass, middles[g], header, per_layer)
+            n = coeffs.shape[0]
+            # what the target's own plan stores for these rows, less the headroom; the rung indices come out of it
+            goal = n * tiers.kind_cost(cal, target, kind, g) * (1 - tiers.LADDER_HEADROOM)
+            budget = goal - n * tiers.INDEX_BITS / (16.0 * cols.numel())
+            bf16 = 2 * cols.numel()
+            for attempt in range(tiers.LADDER_PASSES):
+                with clock("tiers"):
+                    idx = tiers.allocate(errs, costs, max(budget, n * float(costs.min())))
+                sections = self._ladder_sections(kind, g, coeffs, idx, pls, clock)
+                coded = self._measured(sections, clock)
+                if coded is None:
+                    break
+                size = sum(len(c.coded) if c.backend != "raw" else c.raw_len for _, c in coded)
+                if size <= goal * bf16 or attempt == tiers.LADDER_PASSES - 1:
+                    sections = coded
+                    break
+                budget *= goal * bf16 / size  # the rows stored more than their plans predict: ask for less
+            counts.append(torch.bincount(idx, minlength=len(pls)).tolist())
+            out.extend(sections)
+        return out
+
+    def _ladder_sections(
+        self, kind: str, g: int, coeffs: torch.Tensor, idx: torch.Tensor, pls: list[PlanLayout], clock: Clock
+    ) -> list[tuple[str, Any]]:
+        """Group ``g``'s sections for the rungs ``idx`` (int64 ``[n]`` CPU): the indices, then each name's rung
+        sections back to back."""
+        out: list[tuple[str, Any]] = [(f"rungs.{kind}.{g}", idx.to(torch.uint8).numpy().tobytes())]
+        idx = idx.to(coeffs.device)
+        merged: dict[str, list[Any]] = {}
+        for j, pl in enumerate(pls):
+            sel = idx == j
+            if bool(sel.any()):
+                part = coeffs[sel][:, : pl.components].contiguous()
+                for name, data in self._quantizer.encode(f"{kind}.{g}.r{j}", part, pl, self.packing, clock):
+                    merged.setdefault(name.rsplit(".", 1)[1], []).append(data)
+        out.extend((f"{kind}.{g}.{suffix}", _joined(merged[suffix])) for suffix in _suffixes(merged))
+        return out
+
+    def _measured(self, sections: list[tuple[str, Any]], clock: Clock) -> list[tuple[str, Precoded]] | None:
+        """Host sections entropy coded now (their stored size), or None for device ones (the GPU's coder codes
+        them with the rest of the blob)."""
+        if any(isinstance(d, torch.Tensor) for _, d in sections):
+            return None
+        out = []
+        with clock("entropy"):
+            for name, data in sections:
+                used, coded = encode_stream(data, self.backend)
+                out.append((name, Precoded(used, coded, len(data), lambda d=data: bytes(d))))
+        return out
+
+    def _ladder_errors(
+        self,
+        kind: str,
+        g: int,
+        coeffs: torch.Tensor,
+        pls: list[PlanLayout],
+        mass: torch.Tensor,
+        middle: tuple[int, int],
+        header: container.Header,
+        per_layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ``[n, rungs]`` CPU: the error of each of group ``g``'s rows (``coeffs`` ``[n, kmax]``) under each
+        rung's plan, per layer in the calibration's weighted space times the attention weight of the token there
+        (:func:`kvtc.codec.tiers.ladder_weights`); and float64 ``[rungs]``: what a token costs under each."""
+        cal = self.calibration
+        assert cal is not None and self.ladder is not None
+        cols = cal.columns[g]
+        layers = tiers.group_layers(cols, header.layout)
+        start, m = middle
+        weights = tiers.ladder_weights(mass[:, layers, start : start + m]).to(coeffs.device)  # [n, Lg]
+        c = coeffs.float()
+        spread = tiers.layer_spread(cal, kind, g, c.shape[1], per_layer).to(c.device)  # [kmax, Lg]
+        basis = None if tiers.LADDER_ERRORS == "diagonal" else cal.pcas[kind][g].basis[: c.shape[1]].to(c.device)
+        errs = []
+        for pl in pls:
+            diff = -c
+            diff[:, : pl.components] += Quantizer.dequantized(c[:, : pl.components], pl)
+            if basis is None:  # each component's error spread over the layers as its basis row is
+                per = diff.square() @ spread
+            else:  # exact: the error taken back to the features (weighted space), summed per layer
+                per = torch.zeros((c.shape[0], len(layers)), dtype=torch.float32, device=c.device)
+                per.index_add_(1, tiers.layer_of(cols, per_layer).to(c.device), (diff @ basis.float()).square())
+            errs.append((per * weights).sum(1))
+        costs = torch.tensor([tiers.kind_cost(cal, r, kind, g) for r in self.ladder], dtype=torch.float64)
+        return torch.stack(errs, 1).double().cpu(), costs
 
     def _encode_rows(
         self,
@@ -284,6 +424,21 @@ class Codec:
                 if m:
                     name = f"tiers.{g}"
                     secs[name] = tiers.unpack_mask(secs[name], header.batch, m, header.tiers[2], name)
+        if header.rungs:  # each group's rung indices, checked against the header's counts; each rung's sections
+            assert header.rung_counts is not None
+            for kind in KINDS:
+                for g, c in enumerate(header.rung_counts[kind]):
+                    name = f"rungs.{kind}.{g}"
+                    if name not in secs:
+                        continue
+                    secs[name] = tiers.unpack_rungs(secs[name], c, name)
+                    for suffix, pieces in self._ladder_pieces(header, kind, g).items():
+                        data = secs.pop(f"{kind}.{g}.{suffix}")
+                        data = data if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+                        off = 0
+                        for piece, size in pieces:
+                            secs[piece] = data[off : off + size]
+                            off += size
         return header, secs
 
     def _checked_header(self, blob: bytes | torch.Tensor) -> tuple[Any, Any, container.Header, int]:
@@ -305,8 +460,8 @@ class Codec:
                     f"{'none' if cal is None else cal.fingerprint}; decode with the calibration that encoded it"
                 )
             cal.check_layout(header.layout)
-            if header.tiers:
-                missing = [r for r in header.tiers[:2] if r not in cal.plans]
+            if header.adaptive:
+                missing = [r for r in (header.rungs or header.tiers[:2]) if r not in cal.plans]  # type: ignore[index]
                 if missing:
                     raise FormatError(f"blob names tier ratios {missing}, which its calibration has no plan for")
             elif header.ratio is None or header.ratio not in cal.plans:
@@ -319,6 +474,8 @@ class Codec:
             exp[f"raw.{kind}"] = spans.raw_bytes(h)
         if h.mode == "kvtc" and h.middle_tokens:
             middles = spans.group_middles(h, self.calibration.grouping)  # type: ignore[union-attr]
+            if h.rungs:
+                return self._expected_ladder(h, middles, exp)
             if h.tiers:
                 hi, lo = self._tier_layouts(h.tiers)
                 for g, (_, m) in enumerate(middles):
@@ -336,6 +493,40 @@ class Codec:
                 for g, pl in enumerate(plans[kind]):
                     if middles[g][1]:
                         exp.update(pl.section_sizes(f"{kind}.{g}", h.batch * middles[g][1], h.packing))
+        return exp
+
+    def _ladder_pieces(self, h: container.Header, kind: str, g: int) -> dict[str, list[tuple[str, int]]]:
+        """A rate-ladder group's merged sections (by suffix, blob order) and the ``(rung section, raw bytes)`` each
+        holds back to back, from the header's counts."""
+        assert h.rungs is not None and h.rung_counts is not None
+        merged: dict[str, list[tuple[str, int]]] = {}
+        for j, n in enumerate(h.rung_counts[kind][g]):
+            if n:
+                pl = plan_layouts(self.calibration, h.rungs[j])[kind][g]
+                for name, size in pl.section_sizes(f"{kind}.{g}.r{j}", n, h.packing).items():
+                    merged.setdefault(name.rsplit(".", 1)[1], []).append((name, size))
+        return {x: merged[x] for x in _suffixes(merged)}  # type: ignore[arg-type]
+
+    def _expected_ladder(
+        self, h: container.Header, middles: list[tuple[int, int]], exp: dict[str, int]
+    ) -> dict[str, int]:
+        """:meth:`_expected_sections` of a rate-ladder blob, after checking its counts against the groups."""
+        assert h.rungs is not None and h.rung_counts is not None
+        for kind in KINDS:
+            counts = h.rung_counts[kind]
+            if len(counts) != len(middles):
+                raise FormatError(f"blob counts rungs of {len(counts)} PCA groups, its calibration has {len(middles)}")
+            for g, (_, m) in enumerate(middles):
+                if sum(counts[g]) != h.batch * m:
+                    raise FormatError(
+                        f"blob's rung counts of {kind} group {g} sum to {sum(counts[g])}, it codes {h.batch * m} "
+                        "tokens there; the blob is corrupt"
+                    )
+                if not m:
+                    continue
+                exp[f"rungs.{kind}.{g}"] = h.batch * m
+                for suffix, pieces in self._ladder_pieces(h, kind, g).items():
+                    exp[f"{kind}.{g}.{suffix}"] = sum(size for _, size in pieces)
         return exp
 
     def decode(
@@ -384,7 +575,7 @@ class Codec:
                     and len(self.calibration.columns) == 1  # type: ignore[union-attr]
                     and dt == self._transform.out_dtype
                     and (s + w == 0 or m >= DIRECT_MIN_TOKENS)
-                    and not header.tiers
+                    and not header.adaptive
                 )
                 views = None
                 if direct:  # one view when nothing is protected, else one per sequence
@@ -427,7 +618,7 @@ class Codec:
         """Group ``g``'s coefficients ``[n, columns]`` and the basis components they span."""
         tr = self._transform
         n = header.batch * header.middle_tokens if n is None else n
-        if not header.tiers:
+        if not header.adaptive:
             pl = plan_layouts(self.calibration, header.ratio)[kind][g]
             coeffs = self._quantizer.decode(
                 f"{kind}.{g}", secs, pl, n, header.packing, clock, tr.coefficient_dtype,
@@ -447,9 +638,24 @@ class Codec:
     def _tier_parts(
         self, kind: str, g: int, header: container.Header, secs: dict[str, Any], clock: Clock
     ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """A tiered blob's group ``g``: ``(row mask, coefficients, components)`` of each tier that codes a token."""
-        assert header.tiers is not None
+        """A tiered or rate-ladder blob's group ``g``: ``(row mask, coefficients, components)`` of each tier or rung
+        that codes a token."""
         tr = self._transform
+        if header.rungs:
+            assert header.rung_counts is not None
+            idx = secs[f"rungs.{kind}.{g}"].to(self.device)
+            parts = []
+            for j, r in enumerate(header.rungs):
+                count = header.rung_counts[kind][g][j]
+                if count:
+                    pl = plan_layouts(self.calibration, r)[kind][g]
+                    part = self._quantizer.decode(
+                        f"{kind}.{g}.r{j}", secs, pl, count, header.packing, clock, tr.coefficient_dtype,
+                        tr.coefficient_columns(pl.components),
+                    )  # type: ignore[union-attr]  # fmt: skip
+                    parts.append((idx == j, part, pl.components))
+            return parts
+        assert header.tiers is not None
         hi, lo = self._tier_layouts(header.tiers)
         mask = secs[f"tiers.{g}"].to(self.device)
         out = []
@@ -476,7 +682,7 @@ class Codec:
         """Group ``g``'s reconstructed feature rows ``[n, p_g]`` (``out``: see :meth:`PCATransform.reconstruct`;
         not for a tiered blob, whose tiers are each reconstructed with their own components, then placed)."""
         tr = self._transform
-        if not header.tiers:
+        if not header.adaptive:
             coeffs, k = self._coefficients(kind, g, header, secs, clock, n)
             with clock("project"):
                 return tr.reconstruct(kind, g, coeffs, k, out)  # type: ignore[union-attr]
@@ -581,20 +787,44 @@ class Codec:
         return info.inspect(blob)
 
 
-def _resolve_tiers(cal: Calibration, ratio: float, asked: Any) -> tuple[str, str, float] | None:
-    """(high, low, share) for a codec of ``cal`` at ``ratio`` asked for ``asked`` tiers, or None (one plan)."""
+def _suffixes(merged: dict[str, list[Any]]) -> list[str]:
+    """The section suffixes of a rate-ladder group in blob order: ``params``, then the types in
+    :data:`CODED_TYPES` order."""
+    from ..quant import TYPE_NAMES
+
+    order = ["params"] + [TYPE_NAMES[t] for t in CODED_TYPES]
+    return [x for x in order if x in merged]
+
+
+def _joined(parts: list[Any]) -> Any:
+    """Sections' payloads back to back: one device tensor if they are tensors, else bytes."""
+    if any(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+    return b"".join(bytes(p) for p in parts)
+
+
+def _resolve_tiers(
+    cal: Calibration, ratio: float, asked: Any
+) -> tuple[tuple[str, str, float] | None, tuple[str, ...] | None]:
+    """``((high, low, share), None)`` for a two-tier encode, ``(None, rungs)`` for a rate ladder, ``(None, None)``
+    for one plan: what a codec of ``cal`` at ``ratio`` asked for ``asked`` tiers codes with."""
     if asked == "none":
-        return None
+        return None, None
     if asked == "auto":
+        rungs = tiers.ladder_rungs(cal, ratio)
+        if rungs is not None:
+            return None, rungs
+        asked = "two"  # a calibration whose ladder does not bracket the target: two tiers where it has them
+    if asked == "two":
         pair = tiers.auto_pair(cal, ratio)
         if pair is None:
-            return None
+            return None, None
         high, low = pair
     else:
         try:
             high, low = (float(x) for x in asked)
         except (TypeError, ValueError):
-            raise ValueError(f"tiers must be 'auto', 'none' or (high, low) targets, got {asked!r}") from None
+            raise ValueError(f"tiers must be 'auto', 'two', 'none' or (high, low) targets, got {asked!r}") from None
         if cal.queries is None:
             raise CalibrationError(
                 "token-adaptive tiers need a calibration that records mean queries (format version 7: "
@@ -604,7 +834,7 @@ def _resolve_tiers(cal: Calibration, ratio: float, asked: Any) -> tuple[str, str
             cal.plans_for(r)  # raises, naming the ratios it has
         if not high < ratio < low:
             raise ValueError(f"tier targets must bracket the target: {high:g} < {ratio:g} < {low:g}")
-    return ratio_key(high), ratio_key(low), round(tiers.share(ratio, high, low), 6)
+    return (ratio_key(high), ratio_key(low), round(tiers.share(ratio, high, low), 6)), None
 
 
 __all__ = ["CODED_TYPES", "DEFAULT_SINKS", "DEFAULT_WINDOW", "DIRECT_MIN_TOKENS", "Codec"]

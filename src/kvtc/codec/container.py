@@ -3,7 +3,7 @@
 ```
 offset  size  field
 0       4     magic b"KVTC"
-4       2     format version, u16 little-endian (1, 2 or 3)
+4       2     format version, u16 little-endian (1, 2, 3 or 4)
 6       2     flags, u16 (0; any other value is refused)
 8       4     header length H, u32 LE (16 <= H <= MAX_HEADER_BYTES)
 12      4     CRC-32 of the header bytes, u32 LE
@@ -22,6 +22,10 @@ byte what earlier releases wrote, so they keep reading it; a reader of version 1
 Version 3 adds token-adaptive rates (``tiers``: each PCA group's middle tokens coded by two plans, a bit mask per
 group saying which token took which, :mod:`kvtc.codec.tiers`), with or without per-layer held-token counts. Only
 blobs that use them are written as version 3; a reader of versions 1-2 refuses them by their version.
+
+Version 4 adds the rate ladder (``rungs``: each token of each kind and PCA group coded by one of several plans,
+``rung_counts`` the tokens each plan codes, a byte per token in section ``rungs.{kind}.{g}`` saying which). kvtc
+writes version 4 for every token-adaptive blob and still reads version 3.
 """
 
 from __future__ import annotations
@@ -44,9 +48,13 @@ from .entropy import EntropyCoder, decode_stream, encode_stream
 from .packing import PACKINGS
 
 MAGIC = b"KVTC"
-VERSION = 3
-#: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts; 3: tiers)
-VERSIONS = (1, 2, 3)
+VERSION = 4
+#: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts; 3: two tiers;
+#: 4: the rate ladder)
+VERSIONS = (1, 2, 3, 4)
+#: most plans a rate-ladder blob may name (its rung indices are bytes)
+MAX_RUNGS = 16
+MAX_GROUPS = 4096
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 #: absolute caps on what a header may declare (a blob is one slice of one conversation batch)
@@ -84,12 +92,21 @@ class Header:
     sections: list[Section] = field(default_factory=list)
     #: token-adaptive rates: (high target, low target, share of each group's middle tokens at the high one)
     tiers: tuple[str, str, float] | None = None
+    #: rate ladder: the plans' ratio keys (rung ``j`` codes its tokens with ``rungs[j]``'s plan) and, per kind and
+    #: PCA group, how many middle tokens each rung codes
+    rungs: tuple[str, ...] | None = None
+    rung_counts: dict[str, list[list[int]]] | None = None
 
     @property
     def version(self) -> int:
-        """The container version this header is written as (3 with tiers, else 2 only when some layer holds fewer
-        tokens, else 1)."""
-        return 3 if self.tiers else 2 if self.layout.max_tokens else 1
+        """The container version this header is written as (4 with a rate ladder, 3 with two tiers, else 2 only when
+        some layer holds fewer tokens, else 1)."""
+        return 4 if self.rungs else 3 if self.tiers else 2 if self.layout.max_tokens else 1
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the middle tokens are coded by more than one plan (two tiers or a rate ladder)."""
+        return bool(self.tiers or self.rungs)
 
     @property
     def spans(self) -> list[tuple[Span, int, int, int, int]]:
@@ -133,6 +150,7 @@ class Header:
             "packing": self.packing,
             "sections": [[s.name, s.backend, s.raw, s.coded, s.crc32] for s in self.sections],
             **({"tiers": list(self.tiers)} if self.tiers else {}),
+            **({"rungs": list(self.rungs), "rung_counts": self.rung_counts} if self.rungs else {}),
         }
 
 
@@ -276,7 +294,12 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
         raise FormatError(f"container version {version} with token-adaptive tiers (only version 3 has them); corrupt")
     if not header.tiers and version == 3:
         raise FormatError("container version 3 without token-adaptive tiers; the blob is corrupt")
-    if not header.tiers and header.version != version:
+    if bool(header.rungs) != (version == 4):
+        raise FormatError(
+            f"container version {version} {'with' if header.rungs else 'without'} a rate ladder "
+            "(version 4 has one, no other version does); the blob is corrupt"
+        )
+    if not header.adaptive and header.version != version:
         raise FormatError(
             f"container version {version} with a layout that {'lacks' if version == 2 else 'has'} per-layer held-token "
             "counts (version 2 carries them, version 1 never does); the blob is corrupt"
@@ -441,9 +464,36 @@ def _parse_header(d: Any) -> Header:
         if not ok:
             raise FormatError("container tiers field invalid; the blob is corrupt")
         tiers = (tiers[0], tiers[1], tiers[2])
-    header = Header(mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections, tiers)
+    rungs, counts = _parse_ladder(d, mode, batch * tokens)
+    if tiers is not None and rungs is not None:
+        raise FormatError("container has both tiers and a rate ladder; the blob is corrupt")
+    header = Header(
+        mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections, tiers, rungs, counts
+    )
     if mode == "identity" and header.middle_tokens:
         raise FormatError("identity blob must store every token raw (sinks + window < tokens); the blob is corrupt")
     if batch == 0 and header.middle_tokens:
         raise FormatError("empty batch with coded middle tokens; the blob is corrupt")
     return header
+
+
+def _parse_ladder(
+    d: dict[str, Any], mode: str, max_count: int
+) -> tuple[tuple[str, ...] | None, dict[str, list[list[int]]] | None]:
+    """The header's ``rungs`` and ``rung_counts``, checked for shape and range (their sums against the layout are
+    checked by the codec, which knows the PCA groups)."""
+    rungs, counts = d.get("rungs"), d.get("rung_counts")
+    if rungs is None and counts is None:
+        return None, None
+    ok = mode == "kvtc" and isinstance(rungs, list) and 2 <= len(rungs) <= MAX_RUNGS
+    ok = ok and all(isinstance(r, str) and 0 < len(r) <= 32 for r in rungs) and len(set(rungs)) == len(rungs)
+    ok = ok and isinstance(counts, dict) and sorted(counts) == ["keys", "values"]
+    if ok:
+        for per_group in counts.values():
+            ok = ok and isinstance(per_group, list) and 0 < len(per_group) <= MAX_GROUPS
+            for c in per_group if ok else ():
+                ok = ok and isinstance(c, list) and len(c) == len(rungs)
+                ok = ok and all(type(n) is int and 0 <= n <= max_count for n in c)
+    if not ok:
+        raise FormatError("container rate ladder (rungs, rung_counts) invalid; the blob is corrupt")
+    return tuple(rungs), {k: [list(c) for c in v] for k, v in counts.items()}

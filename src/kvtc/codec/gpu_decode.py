@@ -211,7 +211,7 @@ def _open(codec: Any, blob: Any) -> _Job | None:
         header.mode != "kvtc"
         or not header.middle_tokens
         or header.layout.max_tokens  # layers holding different tokens: the general path
-        or header.tiers  # token-adaptive rates: the general path
+        or header.adaptive  # token-adaptive rates: the general path
         or any(s.backend not in (NAME, "raw") for s in header.sections)
     ):
         return None

@@ -64,6 +64,7 @@ def inspect(blob: bytes | memoryview | torch.Tensor) -> dict[str, Any]:
         ],
         "target_ratio": header.ratio,
         "tiers": None if not header.tiers else dict(zip(("high", "low", "share"), header.tiers)),
+        "rungs": None if not header.rungs else {"ratios": list(header.rungs), "counts": header.rung_counts},
         "packing": header.packing,
         "bytes": len(blob),
         "header_bytes": overhead,

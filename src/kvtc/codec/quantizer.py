@@ -157,6 +157,23 @@ class Quantizer:
                     out.append((f"{prefix}.{TYPE_NAMES[t]}", le_bytes(pack(planes[t].cpu(), TYPE_BITS[t], packing))))
         return out
 
+    @staticmethod
+    def dequantized(coeffs: torch.Tensor, pl: PlanLayout) -> torch.Tensor:
+        """float32 ``[n, pl.components]``: ``coeffs`` (at least the plan's components) as a decoder of ``pl`` would
+        give them back (dropped components zero, range parameters in fp16 as stored). The reference quantizer on
+        any device: what a rate-ladder encode weighs its rungs by."""
+        x_all = coeffs.float()
+        out = torch.zeros((x_all.shape[0], pl.components), dtype=torch.float32, device=x_all.device)
+        for b in pl.buckets:
+            cols = b.columns.to(x_all.device)
+            clip = 1.0 if b.clips is None else b.clips.to(x_all.device)
+            sym, shift, scale = quantize(x_all[:, cols], b.qtype, clip)
+            if param_rows(b.qtype) == 0:
+                out[:, cols] = dequantize(sym, None, None, b.qtype, clip)
+            else:
+                out[:, cols] = dequantize(sym, shift, scale, b.qtype)
+        return out
+
     def decode(
         self,
         prefix: str,

@@ -51,6 +51,26 @@ WIDE_HIGH_FACTOR = 0.25
 WIDE_LOW_FACTOR = 6.0
 WIDE_LOW_CAP = 192.0
 R13_LOW_FACTOR = 3.0
+#: rate ladder (container version 4): a blob of target ``t`` codes each token of a group with one of the
+#: calibration's plans from ``t / LADDER_SPAN`` to ``t · LADDER_SPAN`` (rungs at least ``LADDER_STEP`` apart), the
+#: one minimising its weighted error plus a price per byte (:func:`allocate`); weights: attention mass ** power
+LADDER_SPAN = 8.0
+LADDER_STEP = 1.2
+MAX_RUNGS = 16
+LADDER_POWER = 2.0
+#: bits per token and (kind, group) the rung indices are assumed to store (entropy coded: 2.8-4.3 measured on
+#: Gemma-3-270M), kept out of the budget
+INDEX_BITS = 4.0
+#: share of the budget kept back: a rung's rows store 2-5% more than its plan's calibration rows do (the finer
+#: rungs get the tokens with the larger coefficients) and the blob's header is larger than a plain one's
+LADDER_HEADROOM = 0.03
+#: how a rung's error is spread over a group's layers: "diagonal" (each component's squared error times the share
+#: of its basis row in each layer: the cross terms between components, zero in expectation, left out; one small
+#: product per rung) or "exact" (the error taken back to every feature: a product the size of a reconstruction
+#: per rung, 10-50x the encode time on the CPU)
+LADDER_ERRORS = "diagonal"
+#: encodes of a group's rows at most: after each, the coded size is measured and the budget scaled if it is over
+LADDER_PASSES = 3
 #: the newest positions whose (mean) queries score the tokens, and how many of them are used
 RECENT = 128
 QUERY_POSITIONS = 32
@@ -115,6 +135,104 @@ def share(target: float, high: float, low: float) -> float:
 def high_count(middle: int, frac: float) -> int:
     """High-tier tokens of a sequence with ``middle`` coded tokens of a group."""
     return min(middle, max(0, int(middle * frac + 0.5)))
+
+
+def ladder_rungs(cal: Any, target: float) -> tuple[str, ...] | None:
+    """The rungs (ratio keys, finest first) a rate-ladder blob of ``target`` chooses among under calibration ``cal``:
+    its plans from ``target / LADDER_SPAN`` to ``target · LADDER_SPAN``, skipping any within ``LADDER_STEP`` of the
+    previous rung kept (at most ``MAX_RUNGS``); None where the calibration records no queries or fewer than two rungs
+    bracket the target (one plan then codes every token)."""
+    from ..calibration.artifact import ratio_key
+
+    if cal.queries is None:
+        return None
+    kept: list[float] = []
+    for r in sorted(float(x) for x in cal.plans):
+        if target / LADDER_SPAN <= r <= target * LADDER_SPAN and (not kept or r >= kept[-1] * LADDER_STEP):
+            kept.append(r)
+    if len(kept) > MAX_RUNGS or not any(r < target for r in kept) or not any(r > target for r in kept):
+        return None
+    return tuple(ratio_key(r) for r in kept)
+
+
+def kind_cost(cal: Any, ratio: float | str, kind: str, group: int) -> float:
+    """The bytes a token of PCA group ``group`` stores in ``kind`` under the plan of ``ratio``, as a fraction of its
+    16-bit bytes of that kind: ``1/ratio`` of both kinds together, split as the calibration split the bits between
+    keys and values (``stats["kv_split"]["value_share"]``; an even split where it records none)."""
+    from ..calibration.artifact import ratio_key
+
+    split = (cal.stats or {}).get("kv_split", {})
+    shares = split.get("value_share", {}) if isinstance(split, dict) else {}
+    share = shares.get(ratio_key(float(ratio))) if isinstance(shares, dict) else None
+    try:
+        v = float(share[group]) if isinstance(share, list) else float(share)
+    except (TypeError, ValueError, IndexError):
+        v = 0.5
+    if not 0.0 < v < 1.0:
+        v = 0.5
+    return 2.0 * (v if kind == "values" else 1.0 - v) / float(ratio)
+
+
+def layer_of(columns: torch.Tensor, per_layer: int) -> torch.Tensor:
+    """int64 ``[columns]``: the position in :func:`group_layers` of the layer each of a group's feature columns
+    belongs to."""
+    layer = columns.cpu() // per_layer
+    return torch.searchsorted(torch.unique(layer), layer)
+
+
+def layer_spread(cal: Any, kind: str, group: int, components: int, per_layer: int) -> torch.Tensor:
+    """float32 ``[components, Lg]``: the share of each of the group's first basis rows (the calibration's weighted
+    space, unit rows) in each of its layers, in the order of :func:`group_layers`; cached on the calibration."""
+    cache = cal.__dict__.setdefault("_layer_spread", {})
+    key = (kind, group, per_layer)
+    if key not in cache or cache[key].shape[0] < components:
+        idx = layer_of(cal.columns[group], per_layer)
+        basis = cal.pcas[kind][group].basis.float()
+        spread = torch.zeros((basis.shape[0], int(idx.max()) + 1), dtype=torch.float32)
+        spread.index_add_(1, idx, basis.square())
+        cache[key] = spread
+    return cache[key][:components]
+
+
+def ladder_weights(mass: torch.Tensor, power: float = LADDER_POWER) -> torch.Tensor:
+    """float32 ``[B·m, Lg]``: the weight of each middle token's error in each of a group's ``Lg`` layers, from the
+    attention ``mass`` ``[B, Lg, m]`` it receives there: its mass over the layer's mean in its sequence, raised to
+    ``power`` (an error in a token costs next-token loss about in proportion to the square of the attention it gets:
+    BENCHMARKS.md "Rate ladder")."""
+    m = mass.double()
+    w = (m / m.mean(2, keepdim=True).clamp_min(1e-30)) ** power
+    return w.permute(0, 2, 1).reshape(-1, mass.shape[1]).float()
+
+
+def allocate(errors: torch.Tensor, costs: torch.Tensor, budget: float) -> torch.Tensor:
+    """int64 ``[N]``: the rung of each token minimising ``Σ errors[i, rung] + λ·Σ costs[rung]`` for the smallest
+    ``λ ≥ 0`` whose choice costs at most ``budget`` (``errors`` ``[N, R]``, ``costs`` ``[R]``; if even the cheapest
+    rung everywhere costs more, that). Bisection on ``λ`` (each token's best rung is monotone in it): the choice is
+    optimal for its own cost (no other choice of at most that cost has a smaller summed error, up to ties)."""
+    n = errors.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=errors.device)
+    e = errors.double()
+    c = costs.double().to(e.device)
+
+    def pick(lam: float) -> torch.Tensor:
+        return torch.argmin(e + lam * c, dim=1)
+
+    best = pick(0.0)
+    if float(c[best].sum()) <= budget:
+        return best
+    lo, hi = 0.0, 1.0
+    while float(c[pick(hi)].sum()) > budget:
+        hi *= 4.0
+        if hi > 1e300:
+            return torch.full((n,), int(torch.argmin(c)), dtype=torch.int64, device=e.device)
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if float(c[pick(mid)].sum()) > budget:
+            lo = mid
+        else:
+            hi = mid
+    return pick(hi)
 
 
 def predicted_queries(keys: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
@@ -226,12 +344,43 @@ def unpack_mask(data: Any, batch: int, middle: int, frac: float, name: str) -> t
     return mask
 
 
+def unpack_rungs(data: Any, counts: list[int], name: str) -> torch.Tensor:
+    """int64 ``[n]``: the rung of each row a ``rungs.{kind}.{g}`` section holds, checked: a byte per row, each below
+    the number of rungs, each rung as often as the header counts (else :class:`~kvtc.errors.FormatError`: the
+    sections that follow are sized by those counts)."""
+    if isinstance(data, torch.Tensor):  # decoded on a device
+        data = data.cpu().numpy().tobytes()
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    if raw.size != sum(counts):
+        raise FormatError(f"section {name}: {raw.size} rows, the header counts {sum(counts)}; the blob is corrupt")
+    if raw.size and int(raw.max()) >= len(counts):
+        raise FormatError(f"section {name}: a rung index above the {len(counts)} rungs; the blob is corrupt")
+    idx = torch.from_numpy(raw.astype(np.int64))
+    if torch.bincount(idx, minlength=len(counts)).tolist() != list(counts):
+        raise FormatError(f"section {name}: rung counts differ from the header's; the blob is corrupt")
+    return idx
+
+
 __all__ = [
     "HIGH_FACTOR",
     "LOW_FACTOR",
     "QUERY_POSITIONS",
     "RECENT",
+    "INDEX_BITS",
+    "LADDER_ERRORS",
+    "LADDER_HEADROOM",
+    "LADDER_PASSES",
+    "LADDER_POWER",
+    "LADDER_SPAN",
+    "LADDER_STEP",
     "LOSSY_ERROR",
+    "MAX_RUNGS",
+    "allocate",
+    "kind_cost",
+    "ladder_rungs",
+    "ladder_weights",
+    "layer_of",
+    "layer_spread",
     "attention_mass",
     "auto_pair",
     "concentrated",
@@ -252,4 +401,5 @@ __all__ = [
     "tier_candidates",
     "tier_targets",
     "unpack_mask",
+    "unpack_rungs",
 ]

@@ -1,0 +1,169 @@
+"""Upper-level study: a per-token choice among the calibration's whole ladder of plans, against two tiers.
+
+A tiered blob (:mod:`kvtc.codec.tiers`) codes each PCA group's middle tokens with two plans. This study asks what a
+choice among *every* plan of the calibration would gain, each token given the plan that minimises its weighted error
+plus a price per byte (one Lagrange multiplier per group and kind, bisected so that the group stores what the target
+stores). A token's weighted error under a plan is measured, not predicted: the encoder holds the exact KV, so it can
+code the slice with each plan and compare (sensitivity-weighted squared error, per layer, times the token's relative
+attention mass from the queries the codec's ranking predicts, raised to ``--power``).
+
+Bytes are counted as the plans' targets (a token of a group coded at ratio ``r`` costs its bf16 bytes over ``r``), the
+rule the tiers' share follows; the default two tiers are composed the same way beside it (with the codec's own
+ranking: token for token what the codec's version-3 blob decodes to). ``--pooled`` weighs each token's error summed
+over the group's layers by its summed attention instead of layer by layer. Text the eval does not read. The codec's
+rate ladder (container version 4) is what this study chose: power 2, per layer. Writes
+``benchmarks/results/rate_ladder_sim.json``. Usage: ``python benchmarks/rate_ladder.py --targets 32 64 --power 1 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+
+import _report
+from kvtc import assets
+from kvtc.calibration import load_calibration
+from kvtc.codec import Codec
+from kvtc.codec import tiers as tiers_mod
+from kvtc.eval.methods import KIVI, Method, Result
+from kvtc.eval.protocols import storage_roundtrip
+from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
+from kvtc.layout import KVSlice
+from kvtc.rope import RopeSpec
+
+
+class Ladder(Method):
+    """Every token of every group at the plan its Lagrangian picks among ``ladder`` (bytes: target rule)."""
+
+    post_rope = False
+
+    def __init__(self, cal: Any, target: float, ladder: list[float], power: float, label: str, pair=None, pooled=False):
+        self.cal, self.target, self.ladder, self.power, self.pooled = cal, target, ladder, power, pooled
+        self.name = self.label = label
+        self.pair = pair  # (high, low): two tiers by the codec's ranking, simulated the same way
+        self.mix: dict[str, float] = {}
+
+    def compress(self, kv: KVSlice, start: int, stop: int, rope: RopeSpec) -> Result:
+        cal = self.cal
+        B, T, L, H, D = kv.keys.shape
+        ladder = self.ladder if self.pair is None else list(self.pair)
+        recon = {}
+        for r in ladder:
+            codec = Codec(cal, r, sinks=start, window=T - stop, tiers="none")
+            out = codec.decode(codec.encode(kv))
+            recon[r] = (out.keys.float().clone(), out.values.float().clone())
+        mass = tiers_mod.attention_mass(
+            kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, rope, cal.query_map
+        )  # [B, L, T]
+        exact = {"keys": kv.keys.float(), "values": kv.values.float()}
+        new = {k: v.contiguous().clone() for k, v in exact.items()}
+        per_layer = H * D
+        used = {r: 0 for r in ladder}
+        for g, cols in enumerate(cal.columns):
+            layers = tiers_mod.group_layers(cols, kv.layout)
+            first = max(start, T - kv.layout.held(layers[0], T))
+            n = stop - first
+            if n <= 0:
+                continue
+            m = mass[:, layers, first:stop]  # [B, Lg, n]
+            if self.pooled:
+                ms = m.sum(1, keepdim=True)
+                w = ((ms / ms.mean(-1, keepdim=True).clamp_min(1e-12)) ** self.power).expand_as(m)
+            else:
+                w = (m / m.mean(-1, keepdim=True).clamp_min(1e-12)) ** self.power
+            for ki, kind in enumerate(("keys", "values")):
+                x = exact[kind][:, first:stop].reshape(B, n, L * per_layer)[:, :, cols]
+                scale = cal.pcas[kind][g].scale
+                scale = torch.ones(len(cols)) if scale is None else scale
+                costs = []
+                for r in ladder:
+                    xr = recon[r][ki][:, first:stop].reshape(B, n, L * per_layer)[:, :, cols]
+                    e = (((xr - x) * scale) ** 2).reshape(B, n, len(layers), per_layer).sum(-1)  # [B, n, Lg]
+                    costs.append((e * w.transpose(1, 2)).sum(-1))  # [B, n]
+                cost = torch.stack(costs, -1)  # [B, n, R]
+                rate = torch.tensor([1.0 / r for r in ladder], dtype=torch.float64)
+                if self.pair is not None:
+                    hi, lo = self.pair
+                    frac = tiers_mod.share(self.target, hi, lo)
+                    score = m.sum(1)
+                    k = tiers_mod.high_count(n, frac)
+                    pick = torch.ones((B, n), dtype=torch.long)
+                    order = torch.argsort(-score, dim=1, stable=True)
+                    pick.scatter_(1, order[:, :k], 0)
+                else:  # the codec's allocator, bytes by the target rule
+                    pick = torch.stack([tiers_mod.allocate(cost[bi], rate, n / self.target) for bi in range(B)])
+                for ri, r in enumerate(ladder):
+                    sel = pick == ri
+                    used[r] += int(sel.sum())
+                    if not sel.any():
+                        continue
+                    src = recon[r][ki].reshape(B, T, L * per_layer)
+                    dst = new[kind].view(B, T, L * per_layer)
+                    for bi in range(B):
+                        tok = sel[bi].nonzero().squeeze(-1) + first
+                        dst[bi, tok[:, None], cols[None, :]] = src[bi, tok[:, None], cols[None, :]]
+        tot = sum(used.values())
+        self.mix = {f"{r:g}": round(c / tot, 3) for r, c in used.items() if c}
+        ref = _ref_bytes(kv, start, stop)
+        nbytes = ref / self.target
+        out = KVSlice(kv.layout, new["keys"].to(kv.keys), new["values"].to(kv.values), kv.positions, kv.model_id)
+        return Result(out, nbytes)
+
+
+def _ref_bytes(kv: KVSlice, start: int, stop: int) -> float:
+    from kvtc.eval.methods import reference_bytes
+
+    return reference_bytes(kv, start, stop)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rate_ladder")
+    ap.add_argument("--model", default="gemma3")
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--texts", nargs="+", default=["sotu-2000on", "wikipedia"])
+    ap.add_argument("--targets", type=float, nargs="+", default=[32, 64])
+    ap.add_argument("--power", type=float, nargs="+", default=[1.0, 2.0])
+    ap.add_argument("--ladder", type=float, nargs="+", default=[8, 12, 16, 24, 32, 48, 64, 96, 144, 192])
+    ap.add_argument("--pooled", action="store_true")
+    ap.add_argument("--no-codec", action="store_true")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model, tok = assets.load_model(args.model, dtype=torch.float32)
+    cal = load_calibration("default", model=args.model, progress=False)
+    methods: list[Any] = [KIVI(2)]
+    for t in args.targets:
+        pair = tiers_mod.auto_pair(cal, t)
+        if pair and not args.no_codec:
+            methods.append(Ladder(cal, t, [], 1.0, f"sim {t:g}x {pair[0]:g}/{pair[1]:g}", pair=pair))
+        for p in args.power:
+            methods.append(Ladder(cal, t, [r for r in args.ladder], p, f"ladder {t:g}x p{p:g}"))
+            if args.pooled:
+                methods.append(Ladder(cal, t, [r for r in args.ladder], p, f"ladder {t:g}x p{p:g} pooled", pooled=True))
+    rows = []
+    for text in args.texts:
+        ids = assets.token_windows(
+            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, args.windows, seed=args.seed
+        )
+        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
+        for m in methods:
+            s = tallies[m.label].summary()
+            mix = getattr(m, "mix", None)
+            rows.append({"text": text, "method": m.label, "mix": mix, "ratio": s.get("ratio"), "kl": s.get("kl")})
+            print(rows[-1], flush=True)
+    _report.write_json(
+        "rate_ladder_sim",
+        {"name": "rate_ladder_sim", "command": _report.command(), "machine": _report.machine(),
+         "calibration": cal.fingerprint, "windows": args.windows, "seed": args.seed, "rows": rows,
+         "seconds": round(time.perf_counter() - t0, 1)},
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
