@@ -288,7 +288,7 @@ def test_calibration_with_a_query_map_saves_as_version_8(cal, tmp_path):
     back = Calibration.load(mapped.save(tmp_path / "m.safetensors"))
     assert back.version == 8 and torch.equal(back.query_map, mapped.query_map)
     blob = Codec(back, 8).encode(tiered_slice())
-    assert Codec.inspect(blob)["tiers"] is not None
+    assert Codec.inspect(blob)["rungs"] is not None  # the default: the rate ladder
     assert torch.equal(Codec(cal, 8).decode(blob).keys, Codec(back, 8).decode(blob).keys)
     with pytest.raises(CalibrationError, match="key-to-query map must be"):
         dataclasses.replace(mapped, query_map=mapped.query_map[..., :-1])
