@@ -148,3 +148,19 @@ def cuda_timed(fn: Any, reps: int = 10) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def heldout_roundtrips(model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int, seed: int) -> Any:
+    """Yield ``(text, method, summary)`` of the storage round trip of ``windows`` windows (2,048 + 256 tokens, drawn
+    with ``seed``) of each of ``texts`` through ``methods``: the held-out protocol of the tuning studies."""
+    from kvtc import assets
+    from kvtc.eval.protocols import storage_roundtrip
+    from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
+
+    for text in texts:
+        ids = assets.token_windows(
+            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, windows, seed=seed
+        )
+        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
+        for m in methods:
+            yield text, m, tallies[m.label].summary()

@@ -19,8 +19,6 @@ from kvtc import assets
 from kvtc.calibration import load_calibration
 from kvtc.codec import tiers
 from kvtc.eval.methods import KIVI, KVTC
-from kvtc.eval.protocols import storage_roundtrip
-from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
 
 TEXTS = {"sotu-2000on": "speeches from 2000 on", "wikipedia": "Wikipedia"}
 
@@ -57,21 +55,14 @@ def main(argv: list[str]) -> int:
         methods.append(KVTC(cal, t, name=f"kvtc {t:g}x", label=f"kvtc {t:g}x two tiers (r13)", tiers="two"))
         methods += [Measured(cal, t, "diagonal"), Measured(cal, t, "exact")]
     rows = []
-    for text in args.texts:
-        ids = assets.token_windows(
-            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, args.windows, seed=args.seed
-        )
-        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            s = tallies[m.label].summary()
-            enc = m.timer.seconds.get("encode") if hasattr(m, "timer") else None
-            row = {"text": text, "method": m.label, **{k: s.get(k) for k in _report.ROUNDTRIP_KEYS}}
-            row["encode_s_per_window"] = None if enc is None else round(enc / args.windows, 2)
-            rows.append(row)
-            print(rows[-1], flush=True)
-        for m in methods:
-            if hasattr(m, "timer"):
-                m.timer = type(m.timer)()
+    for text, m, s in _report.heldout_roundtrips(model, tok, methods, args.texts, args.windows, args.seed):
+        enc = m.timer.seconds.get("encode") if hasattr(m, "timer") else None
+        row = {"text": text, "method": m.label, **{k: s.get(k) for k in _report.ROUNDTRIP_KEYS}}
+        row["encode_s_per_window"] = None if enc is None else round(enc / args.windows, 2)
+        rows.append(row)
+        print(rows[-1], flush=True)
+        if hasattr(m, "timer"):
+            m.timer = type(m.timer)()  # each text's encode time on its own
     result = {
         "name": "ladder_errors",
         "command": _report.command(),

@@ -30,8 +30,6 @@ from kvtc.calibration import load_calibration
 from kvtc.codec import Codec
 from kvtc.codec import tiers as tiers_mod
 from kvtc.eval.methods import KIVI, Method, Result
-from kvtc.eval.protocols import storage_roundtrip
-from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
 from kvtc.layout import KVSlice
 from kvtc.rope import RopeSpec
 
@@ -146,16 +144,10 @@ def main(argv: list[str]) -> int:
             if args.pooled:
                 methods.append(Ladder(cal, t, [r for r in args.ladder], p, f"ladder {t:g}x p{p:g} pooled", pooled=True))
     rows = []
-    for text in args.texts:
-        ids = assets.token_windows(
-            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, args.windows, seed=args.seed
-        )
-        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            s = tallies[m.label].summary()
-            mix = getattr(m, "mix", None)
-            rows.append({"text": text, "method": m.label, "mix": mix, "ratio": s.get("ratio"), "kl": s.get("kl")})
-            print(rows[-1], flush=True)
+    for text, m, s in _report.heldout_roundtrips(model, tok, methods, args.texts, args.windows, args.seed):
+        mix = getattr(m, "mix", None)
+        rows.append({"text": text, "method": m.label, "mix": mix, "ratio": s.get("ratio"), "kl": s.get("kl")})
+        print(rows[-1], flush=True)
     _report.write_json(
         "rate_ladder_sim",
         {"name": "rate_ladder_sim", "command": _report.command(), "machine": _report.machine(),

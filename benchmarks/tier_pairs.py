@@ -25,8 +25,6 @@ import _report
 from kvtc import assets
 from kvtc.calibration import Calibration, load_calibration
 from kvtc.eval.methods import KIVI, KVTC
-from kvtc.eval.protocols import storage_roundtrip
-from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
 
 TEXTS = {"sotu-2000on": "speeches from 2000 on", "wikipedia": "Wikipedia"}
 
@@ -69,15 +67,9 @@ def main(argv: list[str]) -> int:
         )
         methods.append(KVTC(cal, t, name=spec, label=label, tiers=tiers))
     rows = []
-    for text in args.texts:
-        ids = assets.token_windows(
-            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, args.windows, seed=args.seed
-        )
-        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            s = tallies[m.label].summary()
-            rows.append({"text": text, "method": m.label, **{k: s.get(k) for k in _report.ROUNDTRIP_KEYS}})
-            print(rows[-1], flush=True)
+    for text, m, s in _report.heldout_roundtrips(model, tok, methods, args.texts, args.windows, args.seed):
+        rows.append({"text": text, "method": m.label, **{k: s.get(k) for k in _report.ROUNDTRIP_KEYS}})
+        print(rows[-1], flush=True)
     result = {
         "name": "tier_pairs",
         "command": _report.command(),
