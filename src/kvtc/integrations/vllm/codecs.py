@@ -18,6 +18,12 @@ from .config import WHERE, ConnectorConfig
 logger = logging.getLogger("kvtc.vllm")
 
 
+#: token-adaptive rule of the connector's saves: recipe r13's two tiers (container version 3), not the rate ladder,
+#: whose CPU encode costs 3-4x more: the saving process encodes on CPU time left idle and vLLM gives a worker's
+#: shutdown only a few seconds to drain it (with the ladder, a cluster test lost a chunk of its prefix that way)
+CONNECTOR_TIERS = "two"
+
+
 class Codecs:
     """The codecs for stored chunks: the first chunk of a sequence keeps its sinks, later chunks code every token.
 
@@ -102,7 +108,7 @@ class Codecs:
                 calib = self._calibration_for(layout)
                 sinks = self.config.sinks if first_chunk else 0
                 ratio = self.first_chunk_ratio(calib) if sinks else self.config.ratio
-                self._by_layout[key] = Codec(calib, ratio=ratio, sinks=sinks, window=0)
+                self._by_layout[key] = Codec(calib, ratio=ratio, sinks=sinks, window=0, tiers=CONNECTOR_TIERS)
         return self._by_layout[key]
 
     def first_chunk_ratio(self, calib: Calibration) -> float:
