@@ -18,6 +18,11 @@ A tiered blob (token-adaptive rates, :mod:`kvtc.codec.tiers`; container version 
 with two plans: after the raw sections one mask ``tiers.{g}`` per group (a bit per middle token, sequence-major:
 set for the tokens of the high tier), then per kind and group the high tier's rows as ``{kind}.{g}.*`` and the low
 tier's as ``{kind}.{g}.lo.*``, each tier's rows in token order.
+
+A rate-ladder blob (container version 4, the default where the calibration records queries) codes each token of each
+kind and PCA group with one of several plans (its *rung*): per kind and group a section ``rungs.{kind}.{g}`` (a byte
+per middle token), then ``{kind}.{g}.params`` and ``{kind}.{g}.{type}`` holding every rung's rows, rung after rung
+(the header's ``rung_counts`` size each part).
 """
 
 from __future__ import annotations
@@ -54,11 +59,12 @@ class Codec:
     ``inspect(bytes) -> dict``. ``Codec.identity()`` stores raw tokens through the same container.
 
     ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes
-    a quarter of each group's middle tokens, those the newest tokens' queries attend to most (predicted from their
-    keys by the calibration's key-to-query map, or its mean queries), at half the target and the rest at 1.5 times
-    it; where the calibration predicts the plain plan is lossy, fewer tokens at 12x (or a quarter of the target) and
-    the rest at up to 192x (:func:`kvtc.codec.tiers.auto_pair`), when the calibration records queries and has plans
-    for both; else, and with ``"none"``, one plan for every token. ``(high, low)``: those two targets (raises :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
+    with the rate ladder (:func:`kvtc.codec.tiers.ladder_rungs`: each token of each kind and group by the plan from
+    target/8 to 8x target that serves it best for the bytes, weighted by the attention the newest tokens' predicted
+    queries give it) when the calibration records queries and has plans on both sides of the target, else as
+    ``"two"``; ``"two"``: recipe r13's two tiers (:func:`kvtc.codec.tiers.auto_pair`, container version 3);
+    ``"none"``: one plan for every token; ``(high, low)``: two tiers at those targets (raises
+    :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
     """
 
     def __init__(
