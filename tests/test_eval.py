@@ -300,3 +300,17 @@ def _prefilled(model, ids):
     with torch.no_grad():
         model(ids[None], past_key_values=cache, use_cache=True)
     return cache
+
+
+def test_eval_measures_the_headline_targets_the_calibration_plans_unless_told() -> None:
+    from kvtc.eval.cli import _targets
+    from kvtc.eval.suite import kvtc_ratios
+
+    planned = (4, 8, 12, 16, 64, 192)
+    assert kvtc_ratios(None, planned) == [8.0, 16.0, 64.0]  # 24, 32, 48 not planned: left out
+    assert kvtc_ratios((), planned) == [4.0, 8.0, 12.0, 16.0, 64.0, 192.0]  # --ratios all
+    assert kvtc_ratios((12, 192), planned) == [12.0, 192.0]
+    assert kvtc_ratios(None, (4, 6)) == [4.0, 6.0]  # plans none of the headline targets: all it plans
+    with pytest.raises(ValueError, match="no plans for ratios"):
+        kvtc_ratios((24,), planned)
+    assert _targets("all") == () and _targets("8, 16") == (8.0, 16.0)

@@ -43,6 +43,29 @@ def test_allocate_is_optimal_for_what_it_spends_and_keeps_to_the_budget(seed):
     assert tiers.allocate(errors[:0], costs, 1.0).numel() == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_one_price_over_rows_of_different_costs_is_optimal_too(seed):
+    # a group's keys and values at one price: each row has its own cost per rung (the kinds split a plan's bytes)
+    gen = torch.Generator().manual_seed(100 + seed)
+    n, r = 6, 3
+    per_row = torch.tensor([[1 / 4, 1 / 8, 1 / 16]] * 3 + [[1 / 2, 1 / 5, 1 / 12]] * 3, dtype=torch.float64)
+    errors = torch.rand(n, 1, generator=gen, dtype=torch.float64) * torch.tensor([[0.2, 1.0, 3.0]])
+    errors = errors * torch.rand(n, r, generator=gen, dtype=torch.float64).add(0.5)
+    rows = torch.arange(n)
+    for budget in (0.5, 0.8, 1.2, 2.0):
+        pick = tiers.allocate(errors, per_row, budget)
+        spent = float(per_row[rows, pick].sum())
+        assert spent <= budget + 1e-12
+        got = float(errors[rows, pick].sum())
+        best = min(
+            float(errors[rows, torch.tensor(a)].sum())
+            for a in itertools.product(range(r), repeat=n)
+            if float(per_row[rows, torch.tensor(a)].sum()) <= spent + 1e-12
+        )
+        assert got <= best + 1e-12, (budget, got, best)
+    assert tiers.allocate(errors, per_row, 0.0).tolist() == [2] * n
+
+
 def test_the_rungs_a_target_chooses_among():
     from types import SimpleNamespace
 
@@ -174,3 +197,21 @@ def test_ladder_weights_are_relative_squared_attention_per_layer():
     assert torch.allclose(w, torch.tensor([[0.25, 1.0], [2.25, 1.0]]))
     zero = tiers.ladder_weights(torch.zeros(1, 1, 3))
     assert bool(torch.isfinite(zero).all())
+
+
+def test_one_price_compares_each_kinds_error_over_its_energy(monkeypatch):
+    from types import SimpleNamespace
+
+    pca = {"keys": [SimpleNamespace(total_variance=4.0)], "values": [SimpleNamespace(total_variance=0.5)]}
+    cal = SimpleNamespace(pcas=pca, stats={"kv_split": {"value_weight": 2.0}})
+    assert tiers.LADDER_UNITS == "relative"
+    assert tiers.kind_weight(cal, "keys", 0) == pytest.approx(1 / 4.0)
+    assert tiers.kind_weight(cal, "values", 0) == pytest.approx(2.0 / 0.5)
+    # a calibration that records no value weight weighs values as keys; nonsense in the file changes nothing
+    assert tiers.kind_weight(SimpleNamespace(pcas=pca, stats={}), "values", 0) == pytest.approx(1 / 0.5)
+    bad = SimpleNamespace(pcas=pca, stats={"kv_split": {"value_weight": "x"}})
+    assert tiers.kind_weight(bad, "values", 0) == 1.0
+    nan = SimpleNamespace(pcas={"keys": [SimpleNamespace(total_variance=float("nan"))]}, stats={})
+    assert tiers.kind_weight(nan, "keys", 0) == 1.0
+    monkeypatch.setattr(tiers, "LADDER_UNITS", "weighted")
+    assert tiers.kind_weight(cal, "values", 0) == 1.0

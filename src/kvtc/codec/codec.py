@@ -178,6 +178,7 @@ class Codec:
                 with clock("tiers"):
                     masks = self._choose_tiers(kv, header, middles)
                 payloads.extend((f"tiers.{g}", tiers.pack_mask(mk)) for g, mk in enumerate(masks) if mk is not None)
+            ladder_rows: dict[str, list[torch.Tensor | None]] = {}
             for kind, t in (("keys", kv.keys), ("values", kv.values)):
                 rows: dict[tuple[int, int], torch.Tensor] = {}
                 for start, m in dict.fromkeys(middles):
@@ -194,9 +195,11 @@ class Codec:
                         rows[(start, m)] = r
                 group_rows = [rows.get(x) for x in middles]
                 if mass is not None:
-                    payloads.extend(self._encode_ladder(kind, group_rows, middles, mass, header, clock))
+                    ladder_rows[kind] = group_rows
                 else:
                     payloads.extend(self._encode_rows(kind, group_rows, clock, masks))
+            if mass is not None:
+                payloads.extend(self._encode_ladder(ladder_rows, middles, mass, header, clock))
         with clock("entropy"):
             coder = device_coder(self.backend, self.device) if self._fused else None
             if (
@@ -260,57 +263,88 @@ class Codec:
 
     def _encode_ladder(
         self,
-        kind: str,
-        group_rows: list[torch.Tensor | None],
+        group_rows: dict[str, list[torch.Tensor | None]],
         middles: list[tuple[int, int]],
         mass: torch.Tensor,
         header: container.Header,
         clock: Clock,
     ) -> list[tuple[str, Any]]:
-        """Sections of each PCA group of a rate-ladder blob: the rung of each row (``rungs.{kind}.{g}``), chosen by
-        :func:`kvtc.codec.tiers.allocate` from each row's error under every rung's plan (per layer, weighted by the
-        attention its token receives there), then the rows of every rung, in token order, coded by its plan: the
-        rungs' sections of one name back to back as one section (``{kind}.{g}.params``, ``{kind}.{g}.{type}``).
-        Fills ``header.rung_counts[kind]``."""
+        """Sections of each kind and PCA group of a rate-ladder blob (kind-major, as a plain blob orders them): the
+        rung of each row (``rungs.{kind}.{g}``), chosen by :func:`kvtc.codec.tiers.allocate` from each row's error
+        under every rung's plan (per layer, weighted by the attention its token receives there), then the rows of
+        every rung, in token order, coded by its plan: the rungs' sections of one name back to back as one section
+        (``{kind}.{g}.params``, ``{kind}.{g}.{type}``). One price per group (keys and values together, what the
+        target's plans store for both; :data:`kvtc.codec.tiers.LADDER_PRICE`) or per kind and group. Fills
+        ``header.rung_counts``."""
         cal = self.calibration
         assert cal is not None and self.ladder is not None and header.rung_counts is not None
         layouts = [plan_layouts(cal, r) for r in self.ladder]
         target = float(self.ratio)  # type: ignore[arg-type]
         per_layer = len(header.layout.heads) * header.layout.head_dim
-        out: list[tuple[str, Any]] = []
-        counts = header.rung_counts[kind]
-        for g, rows in enumerate(group_rows):
-            if rows is None:
-                counts.append([0] * len(self.ladder))
-                continue
+        todo: list[tuple[int, str, torch.Tensor, list[PlanLayout], torch.Tensor, torch.Tensor, float]] = []
+        for g in range(len(middles)):
             cols = cal.columns[g]
-            x = rows if len(cal.columns) == 1 else rows[:, cols.to(rows.device)]
-            pls = [lay[kind][g] for lay in layouts]
-            kmax = max(pl.components for pl in pls)
-            with clock("project"):
-                coeffs = self._transform.project(kind, g, x, kmax)  # type: ignore[union-attr]
-            with clock("tiers"):
-                errs, costs = self._ladder_errors(kind, g, coeffs, pls, mass, middles[g], header, per_layer)
-            n = coeffs.shape[0]
-            # what the target's own plan stores for these rows, less the headroom; the rung indices come out of it
-            goal = n * tiers.kind_cost(cal, target, kind, g) * (1 - tiers.LADDER_HEADROOM)
-            budget = goal - n * tiers.INDEX_BITS / (16.0 * cols.numel())
-            bf16 = 2 * cols.numel()
-            for attempt in range(tiers.LADDER_PASSES):
+            for kind in KINDS:
+                rows = group_rows[kind][g]
+                if rows is None:
+                    continue
+                x = rows if len(cal.columns) == 1 else rows[:, cols.to(rows.device)]
+                pls = [lay[kind][g] for lay in layouts]
+                with clock("project"):
+                    coeffs = self._transform.project(kind, g, x, max(pl.components for pl in pls))  # type: ignore[union-attr]
                 with clock("tiers"):
-                    idx = tiers.allocate(errs, costs, max(budget, n * float(costs.min())))
-                sections = self._ladder_sections(kind, g, coeffs, idx, pls, clock)
-                coded = self._measured(sections, clock)
-                if coded is None:
-                    break
-                size = sum(len(c.coded) if c.backend != "raw" else c.raw_len for _, c in coded)
-                if size <= goal * bf16 or attempt == tiers.LADDER_PASSES - 1:
-                    sections = coded
-                    break
-                budget *= goal * bf16 / size  # the rows stored more than their plans predict: ask for less
-            counts.append(torch.bincount(idx, minlength=len(pls)).tolist())
-            out.extend(sections)
+                    errs, costs = self._ladder_errors(kind, g, coeffs, pls, mass, middles[g], header, per_layer)
+                errs = errs * tiers.kind_weight(cal, kind, g)
+                # bytes: what the target's own plan stores for these rows, less the headroom; a row under each rung
+                bf16 = 2 * cols.numel()
+                goal = coeffs.shape[0] * tiers.kind_cost(cal, target, kind, g) * bf16 * (1 - tiers.LADDER_HEADROOM)
+                todo.append((g, kind, coeffs, pls, errs, costs * bf16, goal))
+        scope = {"kind": lambda t: (t[0], t[1]), "group": lambda t: t[0], "all": lambda t: 0}[tiers.LADDER_PRICE]
+        done: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]] = {}
+        for sc in dict.fromkeys(scope(t) for t in todo):
+            done.update(self._ladder_allocate([t for t in todo if scope(t) == sc], clock))
+        out: list[tuple[str, Any]] = []
+        for kind in KINDS:
+            for g in range(len(middles)):
+                if (g, kind) not in done:  # the group codes no token
+                    header.rung_counts[kind].append([0] * len(self.ladder))
+                    continue
+                idx, sections = done[(g, kind)]
+                header.rung_counts[kind].append(torch.bincount(idx, minlength=len(self.ladder)).tolist())
+                out.extend(sections)
         return out
+
+    def _ladder_allocate(
+        self,
+        todo: list[tuple[int, str, torch.Tensor, list[PlanLayout], torch.Tensor, torch.Tensor, float]],
+        clock: Clock,
+    ) -> dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]]:
+        """``{(group, kind): (rungs, sections)}`` of the kinds and groups in ``todo`` (``(group, kind, coefficients,
+        rung layouts, errors, bytes of a row under each rung, goal in bytes)``), at one price: their rows store their
+        goals together, the rung indices (:data:`kvtc.codec.tiers.INDEX_BITS`) included; on the CPU the coded size
+        is measured and the price raised if it is over, at most :data:`kvtc.codec.tiers.LADDER_PASSES` encodes."""
+        sizes = [t[2].shape[0] for t in todo]
+        errs = torch.cat([t[4] for t in todo])
+        costs = torch.cat([t[5].expand(n, -1) for t, n in zip(todo, sizes)])
+        goal = sum(t[6] for t in todo)
+        budget = goal - sum(sizes) * tiers.INDEX_BITS / 8.0
+        floor = float(costs.min(1).values.sum())
+        done: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]] = {}
+        for attempt in range(tiers.LADDER_PASSES):
+            with clock("tiers"):
+                idx = tiers.allocate(errs, costs, max(budget, floor))
+            done = {}
+            for (g, kind, coeffs, pls, *_), part in zip(todo, idx.split(sizes)):
+                done[(g, kind)] = (part, self._ladder_sections(kind, g, coeffs, part, pls, clock))
+            coded = {key: self._measured(sections, clock) for key, (_, sections) in done.items()}
+            if any(c is None for c in coded.values()):
+                break
+            size = sum(len(c.coded) if c.backend != "raw" else c.raw_len for cs in coded.values() for _, c in cs)  # type: ignore[union-attr]
+            if size <= goal or attempt == tiers.LADDER_PASSES - 1:
+                done = {key: (done[key][0], cs) for key, cs in coded.items()}  # type: ignore[misc]
+                break
+            budget *= goal / size  # the rows stored more than their plans predict: ask for less
+        return done
 
     def _ladder_sections(
         self, kind: str, g: int, coeffs: torch.Tensor, idx: torch.Tensor, pls: list[PlanLayout], clock: Clock

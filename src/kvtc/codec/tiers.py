@@ -29,6 +29,7 @@ group's choice as a bit mask (section ``tiers.{g}``, docs/FORMAT.md), so decodin
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,16 @@ LADDER_HEADROOM = 0.03
 #: product per rung) or "exact" (the error taken back to every feature: a product the size of a reconstruction
 #: per rung, 10-50x the encode time on the CPU)
 LADDER_ERRORS = "diagonal"
+#: the price the rungs are chosen at: "all" (one Lagrange price for the whole blob: every kind and PCA group together
+#: store what the target's plans store for them, each byte where it lowers the weighted error most), "group" (one per
+#: PCA group, keys and values together) or "kind" (one per kind and group: each stores what its plan stores, the
+#: calibration's split between keys and values); measured on text the eval does not read, BENCHMARKS.md "Rate
+#: ladder: one price"
+LADDER_PRICE = "all"
+#: the units the errors of different kinds and groups are compared in under one price: "relative" (each over its
+#: kind's energy, values times the calibration's value weight: the rule the calibration split a ratio's bits between
+#: keys and values by) or "weighted" (the calibration's sensitivity-weighted squared error as it is)
+LADDER_UNITS = "relative"
 #: encodes of a group's rows at most: after each, the coded size is measured and the budget scaled if it is over
 LADDER_PASSES = 3
 #: the newest positions whose (mean) queries score the tokens, and how many of them are used
@@ -173,6 +184,24 @@ def kind_cost(cal: Any, ratio: float | str, kind: str, group: int) -> float:
     return 2.0 * (v if kind == "values" else 1.0 - v) / float(ratio)
 
 
+def kind_weight(cal: Any, kind: str, group: int) -> float:
+    """What a unit of ``kind``'s weighted squared error in PCA group ``group`` counts for when one price spans kinds
+    and groups (:data:`LADDER_UNITS`): 1 for ``"weighted"``; for ``"relative"`` the calibration's own rule for
+    splitting a ratio's bits between keys and values: the error over the kind's energy (its PCA's total variance),
+    values times the recorded ``value_weight`` (1 where none is recorded or it is not a number)."""
+    if LADDER_UNITS != "relative":
+        return 1.0
+    split = (cal.stats or {}).get("kv_split", {})
+    try:
+        vw = float(split.get("value_weight") or 1.0) if isinstance(split, dict) else 1.0
+        energy = float(cal.pcas[kind][group].total_variance)
+    except (TypeError, ValueError):
+        return 1.0
+    if not (math.isfinite(vw) and vw > 0 and math.isfinite(energy) and energy > 0):
+        return 1.0
+    return (vw if kind == "values" else 1.0) / energy
+
+
 def layer_of(columns: torch.Tensor, per_layer: int) -> torch.Tensor:
     """int64 ``[columns]``: the position in :func:`group_layers` of the layer each of a group's feature columns
     belongs to."""
@@ -205,30 +234,34 @@ def ladder_weights(mass: torch.Tensor, power: float = LADDER_POWER) -> torch.Ten
 
 
 def allocate(errors: torch.Tensor, costs: torch.Tensor, budget: float) -> torch.Tensor:
-    """int64 ``[N]``: the rung of each token minimising ``Σ errors[i, rung] + λ·Σ costs[rung]`` for the smallest
-    ``λ ≥ 0`` whose choice costs at most ``budget`` (``errors`` ``[N, R]``, ``costs`` ``[R]``; if even the cheapest
-    rung everywhere costs more, that). Bisection on ``λ`` (each token's best rung is monotone in it): the choice is
-    optimal for its own cost (no other choice of at most that cost has a smaller summed error, up to ties)."""
+    """int64 ``[N]``: the rung of each token minimising ``Σ errors[i, rung] + λ·Σ costs[i, rung]`` for the smallest
+    ``λ ≥ 0`` whose choice costs at most ``budget`` (``errors`` ``[N, R]``, ``costs`` ``[R]`` or ``[N, R]``; if even
+    the cheapest rung everywhere costs more, that). Bisection on ``λ`` (each token's best rung is monotone in it):
+    the choice is optimal for its own cost (no other choice of at most that cost has a smaller summed error, up to
+    ties)."""
     n = errors.shape[0]
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=errors.device)
     e = errors.double()
-    c = costs.double().to(e.device)
+    c = costs.double().to(e.device).expand_as(e)
 
     def pick(lam: float) -> torch.Tensor:
         return torch.argmin(e + lam * c, dim=1)
 
+    def spent(choice: torch.Tensor) -> float:
+        return float(c.gather(1, choice[:, None]).sum())
+
     best = pick(0.0)
-    if float(c[best].sum()) <= budget:
+    if spent(best) <= budget:
         return best
     lo, hi = 0.0, 1.0
-    while float(c[pick(hi)].sum()) > budget:
+    while spent(pick(hi)) > budget:
         hi *= 4.0
         if hi > 1e300:
-            return torch.full((n,), int(torch.argmin(c)), dtype=torch.int64, device=e.device)
+            return torch.argmin(c, dim=1)
     for _ in range(64):
         mid = (lo + hi) / 2
-        if float(c[pick(mid)].sum()) > budget:
+        if spent(pick(mid)) > budget:
             lo = mid
         else:
             hi = mid
@@ -371,12 +404,15 @@ __all__ = [
     "LADDER_HEADROOM",
     "LADDER_PASSES",
     "LADDER_POWER",
+    "LADDER_PRICE",
     "LADDER_SPAN",
     "LADDER_STEP",
     "LOSSY_ERROR",
     "MAX_RUNGS",
     "allocate",
     "kind_cost",
+    "kind_weight",
+    "LADDER_UNITS",
     "ladder_rungs",
     "ladder_weights",
     "layer_of",

@@ -24,6 +24,11 @@ def _floats(s: str) -> tuple[float, ...]:
     return tuple(float(x) for x in s.split(",") if x.strip())
 
 
+def _targets(s: str) -> tuple[float, ...]:
+    """``--ratios``: comma-separated targets, or ``all`` (every ratio the calibration plans: an empty tuple)."""
+    return () if s.strip().lower() == "all" else _floats(s)
+
+
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x.strip())
 
@@ -34,7 +39,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="compare kvtc with FP8, KIVI, quanto/HQQ and token eviction: quality vs bytes",
         description=(
             "Storage round trip (perplexity, KL, top-1, K/V error), the simulated conversation and pass-key "
-            "retrieval, for kvtc at every calibrated ratio and its peers, on the same windows. Writes "
+            "retrieval, for kvtc at 8x to 64x (or every calibrated ratio) and its peers, on the same windows. Writes "
             "eval.json, eval.md and eval.png."
         ),
     )
@@ -53,7 +58,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
     p.add_argument("--continuation", type=int, default=DEFAULT_CONTINUATION)
-    p.add_argument("--ratios", type=_floats, help="kvtc target ratios, comma separated (default: all calibrated)")
+    p.add_argument(
+        "--ratios",
+        type=_targets,
+        help="kvtc target ratios, comma separated, or 'all' for every calibrated ratio "
+        "(default: 8,16,24,32,48,64, those the calibration plans)",
+    )
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--ablation-tokens", type=int, default=DEFAULT_ABLATION_TOKENS)

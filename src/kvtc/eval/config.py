@@ -24,6 +24,11 @@ PEER_BACKENDS = ("quanto", "hqq")
 DEFAULT_HAYSTACK = "filler"
 
 
+#: the kvtc targets an eval measures by default (those the calibration plans): the paper's 8x to 64x and the
+#: halfway points; a calibration plans more (4x to 192x: the rate ladder's rungs), which ``ratios=()`` measures
+DEFAULT_RATIOS: tuple[float, ...] = (8, 16, 24, 32, 48, 64)
+
+
 @dataclass
 class EvalConfig:
     """What one run measures. ``quick``: one window, kvtc 16x and KIVI 2-bit, storage round trip only."""
@@ -36,7 +41,7 @@ class EvalConfig:
     continuation: int = DEFAULT_CONTINUATION
     sinks: int = 4
     window: int = 128
-    ratios: Sequence[float] | None = None  # kvtc targets; default: every ratio of the calibration
+    ratios: Sequence[float] | None = None  # kvtc targets; default: DEFAULT_RATIOS the calibration plans; () all
     baselines: bool = True
     peers: Sequence[str] = PEER_BACKENDS
     eviction_ratios: Sequence[float] = (8, 16, 32)

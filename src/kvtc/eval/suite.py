@@ -27,6 +27,7 @@ from .config import (  # noqa: F401  (re-exported: the run's defaults live with 
     DEFAULT_CONTINUATION,
     DEFAULT_CONVERSATION_TOKENS,
     DEFAULT_HAYSTACK,
+    DEFAULT_RATIOS,
     DEFAULT_RETRIEVAL_DEPTHS,
     DEFAULT_RETRIEVAL_LENGTHS,
     DEFAULT_RETRIEVAL_PROMPTS,
@@ -175,6 +176,19 @@ def _rows(
     return rows
 
 
+def kvtc_ratios(requested: Sequence[float] | None, planned: Sequence[float]) -> list[float]:
+    """The kvtc targets a run measures: ``requested`` (each must be planned), every planned ratio for an empty
+    ``requested``, or for None :data:`DEFAULT_RATIOS` the calibration plans (all of them if it plans none of those)."""
+    have = [float(r) for r in planned]
+    if requested is None:
+        return [float(r) for r in DEFAULT_RATIOS if float(r) in have] or have
+    ratios = [float(r) for r in requested] or have
+    missing = [r for r in ratios if r not in have]
+    if missing:
+        raise ValueError(f"the calibration has no plans for ratios {missing}; it has {have}")
+    return ratios
+
+
 def run(cfg: EvalConfig) -> dict[str, Any]:
     timer = StageTimer()
     torch.manual_seed(cfg.seed)
@@ -196,10 +210,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
         "ratios": cal.ratios,
         "samples": cal.stats.get("samples"),
     }
-    ratios = [float(r) for r in (cfg.ratios or cal.ratios)]
-    missing = [r for r in ratios if r not in cal.ratios]
-    if missing:
-        raise ValueError(f"the calibration has no plans for ratios {missing}; it has {cal.ratios}")
+    ratios = kvtc_ratios(cfg.ratios, cal.ratios)
 
     kvtc = [KVTC(cal, r) for r in ratios]
     methods: list[Method] = list(kvtc)
