@@ -61,7 +61,7 @@ class Codec:
     ``tiers`` (encoding only; any codec of the calibration decodes any of its blobs): ``"auto"`` (default) codes
     with the rate ladder (:func:`kvtc.codec.tiers.ladder_rungs`: each token of each kind and group by the plan from
     target/8 to 8x target that serves it best for the bytes, weighted by the attention the newest tokens' predicted
-    queries give it) when the calibration records queries and has plans on both sides of the target, else as
+    queries give it, at one price for the whole blob) when the calibration records queries and has plans on both sides of the target, else as
     ``"two"``; ``"two"``: recipe r13's two tiers (:func:`kvtc.codec.tiers.auto_pair`, container version 3);
     ``"none"``: one plan for every token; ``(high, low)``: two tiers at those targets (raises
     :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
@@ -273,9 +273,9 @@ class Codec:
         rung of each row (``rungs.{kind}.{g}``), chosen by :func:`kvtc.codec.tiers.allocate` from each row's error
         under every rung's plan (per layer, weighted by the attention its token receives there), then the rows of
         every rung, in token order, coded by its plan: the rungs' sections of one name back to back as one section
-        (``{kind}.{g}.params``, ``{kind}.{g}.{type}``). One price per group (keys and values together, what the
-        target's plans store for both; :data:`kvtc.codec.tiers.LADDER_PRICE`) or per kind and group. Fills
-        ``header.rung_counts``."""
+        (``{kind}.{g}.params``, ``{kind}.{g}.{type}``). The rows share one price (:data:`kvtc.codec.tiers.LADDER_PRICE`:
+        by default one for the whole blob, so that all its rows store what the target's plans store for them), each
+        kind's error in the units :func:`kvtc.codec.tiers.kind_weight` gives. Fills ``header.rung_counts``."""
         cal = self.calibration
         assert cal is not None and self.ladder is not None and header.rung_counts is not None
         layouts = [plan_layouts(cal, r) for r in self.ladder]
