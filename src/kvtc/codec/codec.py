@@ -22,7 +22,7 @@ tier's as ``{kind}.{g}.lo.*``, each tier's rows in token order.
 A rate-ladder blob (container version 4, the default where the calibration records queries) codes each token of each
 kind and PCA group with one of several plans (its *rung*): per kind and group a section ``rungs.{kind}.{g}`` (a byte
 per middle token), then ``{kind}.{g}.params`` and ``{kind}.{g}.{type}`` holding every rung's rows, rung after rung
-(the header's ``rung_counts`` size each part).
+(the header's ``rung_counts`` size each part; :mod:`kvtc.codec.ladder` encodes them and locates each rung's rows).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
 from ..errors import CalibrationError, CalibrationMismatch, FormatError, LayoutError
 from ..layout import DTYPES, KVSlice
-from . import budget, container, gpu_decode, gpu_write, info, spans, tiers
+from . import budget, container, gpu_decode, gpu_write, info, ladder, spans, tiers
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
-from .entropy import DEFAULT_BACKEND, Precoded, device_coder, encode_stream, get_backend
+from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
 from .packing import PACKINGS
 from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from .transform import PRECISIONS, PCATransform
@@ -199,7 +199,7 @@ class Codec:
                 else:
                     payloads.extend(self._encode_rows(kind, group_rows, clock, masks))
             if mass is not None:
-                payloads.extend(self._encode_ladder(ladder_rows, middles, mass, header, clock))
+                payloads.extend(ladder.encode(self, ladder_rows, middles, mass, header, clock))
         with clock("entropy"):
             coder = device_coder(self.backend, self.device) if self._fused else None
             if (
@@ -260,156 +260,6 @@ class Codec:
         return tiers.attention_mass(
             kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, self._rope, cal.query_map
         )
-
-    def _encode_ladder(
-        self,
-        group_rows: dict[str, list[torch.Tensor | None]],
-        middles: list[tuple[int, int]],
-        mass: torch.Tensor,
-        header: container.Header,
-        clock: Clock,
-    ) -> list[tuple[str, Any]]:
-        """Sections of each kind and PCA group of a rate-ladder blob (kind-major, as a plain blob orders them): the
-        rung of each row (``rungs.{kind}.{g}``), chosen by :func:`kvtc.codec.tiers.allocate` from each row's error
-        under every rung's plan (per layer, weighted by the attention its token receives there), then the rows of
-        every rung, in token order, coded by its plan: the rungs' sections of one name back to back as one section
-        (``{kind}.{g}.params``, ``{kind}.{g}.{type}``). The rows share one price (:data:`kvtc.codec.tiers.LADDER_PRICE`:
-        by default one for the whole blob, so that all its rows store what the target's plans store for them), each
-        kind's error in the units :func:`kvtc.codec.tiers.kind_weight` gives. Fills ``header.rung_counts``."""
-        cal = self.calibration
-        assert cal is not None and self.ladder is not None and header.rung_counts is not None
-        layouts = [plan_layouts(cal, r) for r in self.ladder]
-        target = float(self.ratio)  # type: ignore[arg-type]
-        per_layer = len(header.layout.heads) * header.layout.head_dim
-        todo: list[tuple[int, str, torch.Tensor, list[PlanLayout], torch.Tensor, torch.Tensor, float]] = []
-        for g in range(len(middles)):
-            cols = cal.columns[g]
-            for kind in KINDS:
-                rows = group_rows[kind][g]
-                if rows is None:
-                    continue
-                x = rows if len(cal.columns) == 1 else rows[:, cols.to(rows.device)]
-                pls = [lay[kind][g] for lay in layouts]
-                with clock("project"):
-                    coeffs = self._transform.project(kind, g, x, max(pl.components for pl in pls))  # type: ignore[union-attr]
-                with clock("tiers"):
-                    errs, costs = self._ladder_errors(kind, g, coeffs, pls, mass, middles[g], header, per_layer)
-                errs = errs * tiers.kind_weight(cal, kind, g)
-                # bytes: what the target's own plan stores for these rows, less the headroom; a row under each rung
-                bf16 = 2 * cols.numel()
-                goal = coeffs.shape[0] * tiers.kind_cost(cal, target, kind, g) * bf16 * (1 - tiers.LADDER_HEADROOM)
-                todo.append((g, kind, coeffs, pls, errs, costs * bf16, goal))
-        scope = {"kind": lambda t: (t[0], t[1]), "group": lambda t: t[0], "all": lambda t: 0}[tiers.LADDER_PRICE]
-        done: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]] = {}
-        for sc in dict.fromkeys(scope(t) for t in todo):
-            done.update(self._ladder_allocate([t for t in todo if scope(t) == sc], clock))
-        out: list[tuple[str, Any]] = []
-        for kind in KINDS:
-            for g in range(len(middles)):
-                if (g, kind) not in done:  # the group codes no token
-                    header.rung_counts[kind].append([0] * len(self.ladder))
-                    continue
-                idx, sections = done[(g, kind)]
-                header.rung_counts[kind].append(torch.bincount(idx, minlength=len(self.ladder)).tolist())
-                out.extend(sections)
-        return out
-
-    def _ladder_allocate(
-        self,
-        todo: list[tuple[int, str, torch.Tensor, list[PlanLayout], torch.Tensor, torch.Tensor, float]],
-        clock: Clock,
-    ) -> dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]]:
-        """``{(group, kind): (rungs, sections)}`` of the kinds and groups in ``todo`` (``(group, kind, coefficients,
-        rung layouts, errors, bytes of a row under each rung, goal in bytes)``), at one price: their rows store their
-        goals together, the rung indices (:data:`kvtc.codec.tiers.INDEX_BITS`) included; on the CPU the coded size
-        is measured and the price raised if it is over, at most :data:`kvtc.codec.tiers.LADDER_PASSES` encodes."""
-        sizes = [t[2].shape[0] for t in todo]
-        errs = torch.cat([t[4] for t in todo])
-        costs = torch.cat([t[5].expand(n, -1) for t, n in zip(todo, sizes)])
-        goal = sum(t[6] for t in todo)
-        budget = goal - sum(sizes) * tiers.INDEX_BITS / 8.0
-        floor = float(costs.min(1).values.sum())
-        done: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]] = {}
-        for attempt in range(tiers.LADDER_PASSES):
-            with clock("tiers"):
-                idx = tiers.allocate(errs, costs, max(budget, floor))
-            done = {}
-            for (g, kind, coeffs, pls, *_), part in zip(todo, idx.split(sizes)):
-                done[(g, kind)] = (part, self._ladder_sections(kind, g, coeffs, part, pls, clock))
-            coded = {key: self._measured(sections, clock) for key, (_, sections) in done.items()}
-            if any(c is None for c in coded.values()):
-                break
-            size = sum(len(c.coded) if c.backend != "raw" else c.raw_len for cs in coded.values() for _, c in cs)  # type: ignore[union-attr]
-            if size <= goal or attempt == tiers.LADDER_PASSES - 1:
-                done = {key: (done[key][0], cs) for key, cs in coded.items()}  # type: ignore[misc]
-                break
-            budget *= goal / size  # the rows stored more than their plans predict: ask for less
-        return done
-
-    def _ladder_sections(
-        self, kind: str, g: int, coeffs: torch.Tensor, idx: torch.Tensor, pls: list[PlanLayout], clock: Clock
-    ) -> list[tuple[str, Any]]:
-        """Group ``g``'s sections for the rungs ``idx`` (int64 ``[n]`` CPU): the indices, then each name's rung
-        sections back to back."""
-        out: list[tuple[str, Any]] = [(f"rungs.{kind}.{g}", idx.to(torch.uint8).numpy().tobytes())]
-        idx = idx.to(coeffs.device)
-        merged: dict[str, list[Any]] = {}
-        for j, pl in enumerate(pls):
-            sel = idx == j
-            if bool(sel.any()):
-                part = coeffs[sel][:, : pl.components].contiguous()
-                for name, data in self._quantizer.encode(f"{kind}.{g}.r{j}", part, pl, self.packing, clock):
-                    merged.setdefault(name.rsplit(".", 1)[1], []).append(data)
-        out.extend((f"{kind}.{g}.{suffix}", _joined(merged[suffix])) for suffix in _suffixes(merged))
-        return out
-
-    def _measured(self, sections: list[tuple[str, Any]], clock: Clock) -> list[tuple[str, Precoded]] | None:
-        """Host sections entropy coded now (their stored size), or None for device ones (the GPU's coder codes
-        them with the rest of the blob)."""
-        if any(isinstance(d, torch.Tensor) for _, d in sections):
-            return None
-        out = []
-        with clock("entropy"):
-            for name, data in sections:
-                used, coded = encode_stream(data, self.backend)
-                out.append((name, Precoded(used, coded, len(data), lambda d=data: bytes(d))))
-        return out
-
-    def _ladder_errors(
-        self,
-        kind: str,
-        g: int,
-        coeffs: torch.Tensor,
-        pls: list[PlanLayout],
-        mass: torch.Tensor,
-        middle: tuple[int, int],
-        header: container.Header,
-        per_layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """float64 ``[n, rungs]`` CPU: the error of each of group ``g``'s rows (``coeffs`` ``[n, kmax]``) under each
-        rung's plan, per layer in the calibration's weighted space times the attention weight of the token there
-        (:func:`kvtc.codec.tiers.ladder_weights`); and float64 ``[rungs]``: what a token costs under each."""
-        cal = self.calibration
-        assert cal is not None and self.ladder is not None
-        cols = cal.columns[g]
-        layers = tiers.group_layers(cols, header.layout)
-        start, m = middle
-        weights = tiers.ladder_weights(mass[:, layers, start : start + m]).to(coeffs.device)  # [n, Lg]
-        c = coeffs.float()
-        spread = tiers.layer_spread(cal, kind, g, c.shape[1], per_layer).to(c.device)  # [kmax, Lg]
-        basis = None if tiers.LADDER_ERRORS == "diagonal" else cal.pcas[kind][g].basis[: c.shape[1]].to(c.device)
-        errs = []
-        for pl in pls:
-            diff = -c
-            diff[:, : pl.components] += Quantizer.dequantized(c[:, : pl.components], pl)
-            if basis is None:  # each component's error spread over the layers as its basis row is
-                per = diff.square() @ spread
-            else:  # exact: the error taken back to the features (weighted space), summed per layer
-                per = torch.zeros((c.shape[0], len(layers)), dtype=torch.float32, device=c.device)
-                per.index_add_(1, tiers.layer_of(cols, per_layer).to(c.device), (diff @ basis.float()).square())
-            errs.append((per * weights).sum(1))
-        costs = torch.tensor([tiers.kind_cost(cal, r, kind, g) for r in self.ladder], dtype=torch.float64)
-        return torch.stack(errs, 1).double().cpu(), costs
 
     def _encode_rows(
         self,
@@ -472,7 +322,7 @@ class Codec:
                     if name not in secs:
                         continue
                     secs[name] = tiers.unpack_rungs(secs[name], c, name)
-                    for suffix, pieces in self._ladder_pieces(header, kind, g).items():
+                    for suffix, pieces in ladder.pieces(self.calibration, header, kind, g).items():
                         data = secs.pop(f"{kind}.{g}.{suffix}")
                         data = data if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
                         off = 0
@@ -515,7 +365,7 @@ class Codec:
         if h.mode == "kvtc" and h.middle_tokens:
             middles = spans.group_middles(h, self.calibration.grouping)  # type: ignore[union-attr]
             if h.rungs:
-                return self._expected_ladder(h, middles, exp)
+                return ladder.expected(self.calibration, h, middles, exp)
             if h.tiers:
                 hi, lo = self._tier_layouts(h.tiers)
                 for g, (_, m) in enumerate(middles):
@@ -533,40 +383,6 @@ class Codec:
                 for g, pl in enumerate(plans[kind]):
                     if middles[g][1]:
                         exp.update(pl.section_sizes(f"{kind}.{g}", h.batch * middles[g][1], h.packing))
-        return exp
-
-    def _ladder_pieces(self, h: container.Header, kind: str, g: int) -> dict[str, list[tuple[str, int]]]:
-        """A rate-ladder group's merged sections (by suffix, blob order) and the ``(rung section, raw bytes)`` each
-        holds back to back, from the header's counts."""
-        assert h.rungs is not None and h.rung_counts is not None
-        merged: dict[str, list[tuple[str, int]]] = {}
-        for j, n in enumerate(h.rung_counts[kind][g]):
-            if n:
-                pl = plan_layouts(self.calibration, h.rungs[j])[kind][g]
-                for name, size in pl.section_sizes(f"{kind}.{g}.r{j}", n, h.packing).items():
-                    merged.setdefault(name.rsplit(".", 1)[1], []).append((name, size))
-        return {x: merged[x] for x in _suffixes(merged)}  # type: ignore[arg-type]
-
-    def _expected_ladder(
-        self, h: container.Header, middles: list[tuple[int, int]], exp: dict[str, int]
-    ) -> dict[str, int]:
-        """:meth:`_expected_sections` of a rate-ladder blob, after checking its counts against the groups."""
-        assert h.rungs is not None and h.rung_counts is not None
-        for kind in KINDS:
-            counts = h.rung_counts[kind]
-            if len(counts) != len(middles):
-                raise FormatError(f"blob counts rungs of {len(counts)} PCA groups, its calibration has {len(middles)}")
-            for g, (_, m) in enumerate(middles):
-                if sum(counts[g]) != h.batch * m:
-                    raise FormatError(
-                        f"blob's rung counts of {kind} group {g} sum to {sum(counts[g])}, it codes {h.batch * m} "
-                        "tokens there; the blob is corrupt"
-                    )
-                if not m:
-                    continue
-                exp[f"rungs.{kind}.{g}"] = h.batch * m
-                for suffix, pieces in self._ladder_pieces(h, kind, g).items():
-                    exp[f"{kind}.{g}.{suffix}"] = sum(size for _, size in pieces)
         return exp
 
     def decode(
@@ -825,22 +641,6 @@ class Codec:
         """Header facts and sizes of a blob, without decoding it (needs no calibration): see
         :func:`kvtc.codec.info.inspect`."""
         return info.inspect(blob)
-
-
-def _suffixes(merged: dict[str, list[Any]]) -> list[str]:
-    """The section suffixes of a rate-ladder group in blob order: ``params``, then the types in
-    :data:`CODED_TYPES` order."""
-    from ..quant import TYPE_NAMES
-
-    order = ["params"] + [TYPE_NAMES[t] for t in CODED_TYPES]
-    return [x for x in order if x in merged]
-
-
-def _joined(parts: list[Any]) -> Any:
-    """Sections' payloads back to back: one device tensor if they are tensors, else bytes."""
-    if any(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
-    return b"".join(bytes(p) for p in parts)
 
 
 def _resolve_tiers(
