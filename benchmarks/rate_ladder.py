@@ -53,11 +53,15 @@ class Ladder(Method):
         joint="kind",
         relative=False,
         queries=None,
+        scales=None,
+        moment=1,
     ):
         self.cal, self.target, self.ladder, self.power, self.pooled = cal, target, ladder, power, pooled
         self.joint = joint  # the price's scope: "kind" (each kind of each group), "group" (both kinds), "all"
         # each kind's errors over its energy, values times the calibration's value weight (its own K/V split's rule)
         self.relative = relative
+        self.scales = scales or {}  # {(group, kind): multiplier of that kind's errors} (a headroom probe)
+        self.moment = moment  # 2: each token's attention probabilities squared before they are summed
         self.queries = queries  # how many of the newest positions' queries score the tokens (None: the codec's)
         self.name = self.label = label
         self.pair = pair  # (high, low): two tiers by the codec's ranking, simulated the same way
@@ -98,7 +102,7 @@ class Ladder(Method):
         tiers_mod.QUERY_POSITIONS = self.queries or before
         try:
             mass = tiers_mod.attention_mass(
-                kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, rope, cal.query_map
+                kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, rope, cal.query_map, self.moment
             )  # [B, L, T]
         finally:
             tiers_mod.QUERY_POSITIONS = before
@@ -141,6 +145,7 @@ class Ladder(Method):
                 if self.relative:
                     vw = (cal.stats or {}).get("kv_split", {}).get("value_weight") or 1.0
                     e = e * ((vw if kind == "values" else 1.0) / cal.pcas[kind][g].total_variance)
+                e = e * self.scales.get((g, kind), 1.0)
                 units.append((g, kind, first, n, e, price[kind] * len(cols), goal[kind], m))
         picks = {}
         if self.pair is not None:
@@ -209,6 +214,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--relative", action="store_true", help="also the shared prices on relative errors")
     ap.add_argument("--codec-rule", action="store_true", help="price as the codec: one for the blob, relative errors")
     ap.add_argument("--query-positions", type=int, nargs="+", default=[], help="also these many query positions")
+    ap.add_argument(
+        "--scales",
+        nargs="+",
+        default=[],
+        help="also the codec's rule with one kind's errors scaled: GROUP:KIND:X[,...]",
+    )
+    ap.add_argument(
+        "--moment2", action="store_true", help="also the codec's rule on summed squared attention probabilities"
+    )
     ap.add_argument("--name", default="rate_ladder_sim", help="result file (benchmarks/results/NAME.json)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -237,6 +251,20 @@ def main(argv: list[str]) -> int:
                 methods.append(Ladder(cal, t, [*args.ladder, 0], p, f"ladder {t:g}x p{p:g} joint +mean", joint="group"))
             if args.joint_all:
                 methods.append(Ladder(cal, t, list(args.ladder), p, f"ladder {t:g}x p{p:g} joint all", joint="all"))
+            if args.moment2:
+                methods.append(
+                    Ladder(cal, t, list(args.ladder), p, f"ladder {t:g}x p{p:g} moment 2", joint="all", relative=True,
+                           moment=2)
+                )  # fmt: skip
+            for spec in args.scales:
+                sc = {}
+                for part in spec.split(","):
+                    g, kind, x = part.split(":")
+                    sc[(int(g), kind)] = float(x)
+                methods.append(
+                    Ladder(cal, t, list(args.ladder), p, f"ladder {t:g}x p{p:g} scaled {spec}", joint="all",
+                           relative=True, scales=sc)
+                )  # fmt: skip
             if args.relative:
                 for scope in ("group", "all") if len(cal.columns) > 1 else ("group",):
                     methods.append(

@@ -57,10 +57,11 @@ def tiered_slice(batch: int = 2, tokens: int = 200, seed: int = 5):
     return kv
 
 
-def test_attention_mass_matches_a_brute_force_softmax(cal):
+@pytest.mark.parametrize("moment", [1, 2])
+def test_attention_mass_matches_a_brute_force_softmax(cal, moment):
     kv = tiered_slice(batch=2, tokens=150)
     rope = _rope()
-    got = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope)
+    got = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, moment=moment)
     B, T = kv.batch, kv.num_tokens
     q_idx = torch.linspace(T - tiers.RECENT, T - 1, tiers.QUERY_POSITIONS).round().long().unique()
     want = torch.zeros(B, 3, T, dtype=torch.float64)
@@ -81,7 +82,7 @@ def test_attention_mass_matches_a_brute_force_softmax(cal):
                             kr = rope.apply(kv.keys[b, n, i, h].double().view(1, 1, 1, 1, D), pn.view(1, 1), [i])
                             logits[n] = float((qr * kr).sum()) * D**-0.5
                         if logits.max() > -math.inf:  # a query that sees no held token gives none of them mass
-                            want[b, i] += torch.softmax(logits, 0)
+                            want[b, i] += torch.softmax(logits, 0) ** moment
     assert torch.allclose(got.double(), want, atol=1e-4), float((got.double() - want).abs().max())
     assert torch.all(got[:, 1, : T - LAYOUT.held(1, T)] == 0)  # no mass on tokens the sliding layer does not hold
 

@@ -285,10 +285,12 @@ def attention_mass(
     scales: torch.Tensor,
     rope: Any,
     query_map: torch.Tensor | None = None,
+    moment: int = 1,
 ) -> torch.Tensor:
     """``[B, L, T]`` float32: the attention each token of each layer receives from queries at the slice's newest
     positions (zero for tokens a layer does not hold): those predicted from their keys by ``query_map`` when given,
-    else the mean queries.
+    else the mean queries; summed over query heads and positions (``moment`` 2: the squares of the attention
+    probabilities summed instead).
 
     ``keys``: the slice's pre-RoPE keys ``[B, T, L, H, D]``; ``queries``: ``[L, H, G, D]`` mean pre-RoPE queries
     (``G`` query heads per KV head); ``scales``: ``[L]`` the attention's logit scale; ``rope``: the model's
@@ -325,7 +327,7 @@ def attention_mass(
             mask |= d >= limit
         logits = logits.masked_fill(mask[:, None, None], float("-inf"))
         p = torch.nan_to_num(logits.softmax(-1))  # a query that sees no held token gives none of them mass
-        out[:, i, first:] = p.sum((1, 2, 3))
+        out[:, i, first:] = (p if moment == 1 else p**moment).sum((1, 2, 3))
     return out
 
 
