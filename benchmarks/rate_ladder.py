@@ -142,9 +142,8 @@ class Ladder(Method):
             goal = {kind: n * tiers_mod.kind_cost(cal, self.target, kind, g) * len(cols) for kind in ("keys", "values")}
             for kind in ("keys", "values"):  # bytes in units of one 16-bit value
                 e = costs_kind[kind]
-                if self.relative:
-                    vw = (cal.stats or {}).get("kv_split", {}).get("value_weight") or 1.0
-                    e = e * ((vw if kind == "values" else 1.0) / cal.pcas[kind][g].total_variance)
+                if self.relative:  # the codec's units (tiers.kind_weight)
+                    e = e * tiers_mod.kind_weight(cal, kind, g)
                 e = e * self.scales.get((g, kind), 1.0)
                 units.append((g, kind, first, n, e, price[kind] * len(cols), goal[kind], m))
         picks = {}

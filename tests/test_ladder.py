@@ -190,8 +190,10 @@ def test_one_price_compares_each_kinds_error_over_its_energy(monkeypatch):
 
     pca = {"keys": [SimpleNamespace(total_variance=4.0)], "values": [SimpleNamespace(total_variance=0.5)]}
     cal = SimpleNamespace(pcas=pca, stats={"kv_split": {"value_weight": 2.0}})
-    assert tiers.LADDER_UNITS == "relative"
+    assert tiers.LADDER_UNITS == "relative" and tiers.LADDER_VALUE_WEIGHT == 1.0
     assert tiers.kind_weight(cal, "keys", 0) == pytest.approx(1 / 4.0)
+    assert tiers.kind_weight(cal, "values", 0) == pytest.approx(1.0 / 0.5)  # values count as keys: their energy only
+    monkeypatch.setattr(tiers, "LADDER_VALUE_WEIGHT", None)  # the calibration's own value weight
     assert tiers.kind_weight(cal, "values", 0) == pytest.approx(2.0 / 0.5)
     # a calibration that records no value weight weighs values as keys; nonsense in the file changes nothing
     assert tiers.kind_weight(SimpleNamespace(pcas=pca, stats={}), "values", 0) == pytest.approx(1 / 0.5)

@@ -77,9 +77,14 @@ LADDER_ERRORS = "diagonal"
 #: ladder: one price"
 LADDER_PRICE = "all"
 #: the units the errors of different kinds and groups are compared in under one price: "relative" (each over its
-#: kind's energy, values times the calibration's value weight: the rule the calibration split a ratio's bits between
-#: keys and values by) or "weighted" (the calibration's sensitivity-weighted squared error as it is)
+#: kind's energy, values times :data:`LADDER_VALUE_WEIGHT`) or "weighted" (the calibration's sensitivity-weighted
+#: squared error as it is)
 LADDER_UNITS = "relative"
+#: in "relative" units, what a value's error counts for against a key's: 1 (measured on text the eval does not read,
+#: BENCHMARKS.md "each kind's units": against the calibration's value weight of 2, 4-15% lower next-token KL at 11 of
+#: 12 points of both models, the one exception +6%), or None for the calibration's recorded ``value_weight`` (its
+#: rule for splitting a ratio's bits between keys and values, where each plan's bytes are fixed)
+LADDER_VALUE_WEIGHT: float | None = 1.0
 #: encodes of a group's rows at most: after each, the coded size is measured and the budget scaled if it is over
 LADDER_PASSES = 3
 #: the newest positions whose (mean) queries score the tokens, and how many of them are used
@@ -186,14 +191,17 @@ def kind_cost(cal: Any, ratio: float | str, kind: str, group: int) -> float:
 
 def kind_weight(cal: Any, kind: str, group: int) -> float:
     """What a unit of ``kind``'s weighted squared error in PCA group ``group`` counts for when one price spans kinds
-    and groups (:data:`LADDER_UNITS`): 1 for ``"weighted"``; for ``"relative"`` the calibration's own rule for
-    splitting a ratio's bits between keys and values: the error over the kind's energy (its PCA's total variance),
-    values times the recorded ``value_weight`` (1 where none is recorded or it is not a number)."""
+    and groups (:data:`LADDER_UNITS`): 1 for ``"weighted"``; for ``"relative"`` the error over the kind's energy (its
+    PCA's total variance), values times :data:`LADDER_VALUE_WEIGHT` (None: the calibration's recorded
+    ``value_weight``, 1 where none is recorded or it is not a number)."""
     if LADDER_UNITS != "relative":
         return 1.0
-    split = (cal.stats or {}).get("kv_split", {})
     try:
-        vw = float(split.get("value_weight") or 1.0) if isinstance(split, dict) else 1.0
+        if LADDER_VALUE_WEIGHT is not None:
+            vw = float(LADDER_VALUE_WEIGHT)
+        else:
+            split = (cal.stats or {}).get("kv_split", {})
+            vw = float(split.get("value_weight") or 1.0) if isinstance(split, dict) else 1.0
         energy = float(cal.pcas[kind][group].total_variance)
     except (TypeError, ValueError):
         return 1.0
