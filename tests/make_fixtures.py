@@ -1,8 +1,12 @@
-"""Regenerate the checked-in format fixtures (run only when the format version changes):
+"""Regenerate the checked-in format fixtures (run only when the format changes):
 
-    python tests/make_fixtures.py
+    python tests/make_fixtures.py          # the current set
+    python tests/make_fixtures.py --legacy # also the first set (container version 1, zstd only)
 
-Writes tests/fixtures/{calibration.safetensors, sample.kvtc, sample_input.safetensors, sample_decoded.safetensors}.
+The first set, tests/fixtures/{calibration.safetensors, sample.kvtc, sample_input.safetensors,
+sample_decoded.safetensors}, was written by the first encoder and is kept as it is: every later decoder must read it.
+The current set, tests/fixtures/current/ (the same files), uses every coder the CPU encoder chooses today
+(fixed-step planes under their Gaussians, delta-coded positions); its blob must re-encode byte for byte.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from kvtc.codec import Codec
 HERE = Path(__file__).parent / "fixtures"
 
 
-def build():
+def build(recipe=None, n=40):
     layout = KVLayout(layers=(0, 3), num_kv_heads=2, head_dim=8, dtype="bfloat16")
     g = torch.Generator().manual_seed(1234)
     p = layout.num_features
@@ -32,32 +36,41 @@ def build():
     cal = fit_calibration(
         layout,
         [(rows(512), rows(512) * 0.3)],
-        Recipe(ratios=(4, 8), dp_rows=256),
+        recipe or Recipe(ratios=(4, 8), dp_rows=256),
         model_id="fixture",
         corpus={"name": "synthetic"},
     )
-    n = 40
     keys = rows(n).reshape(1, n, 2, 2, 8).bfloat16()
     values = (rows(n) * 0.3).reshape(1, n, 2, 2, 8).bfloat16()
     return layout, cal, keys, values
 
 
-def main():
+def write(here, recipe=None, tokens=40):
     from kvtc import KVSlice
 
-    HERE.mkdir(exist_ok=True)
-    layout, cal, keys, values = build()
-    cal.save(HERE / "calibration.safetensors")
+    here.mkdir(exist_ok=True)
+    layout, cal, keys, values = build(recipe, tokens)
+    cal.save(here / "calibration.safetensors")
     kv = KVSlice(layout, keys, values, torch.arange(7, 7 + keys.shape[1])[None], model_id="fixture")
     codec = Codec(cal, ratio=8, sinks=2, window=4)
     blob = codec.encode(kv)
-    (HERE / "sample.kvtc").write_bytes(blob)
-    save_file({"keys": keys, "values": values, "positions": kv.positions}, str(HERE / "sample_input.safetensors"))
+    (here / "sample.kvtc").write_bytes(blob)
+    save_file({"keys": keys, "values": values, "positions": kv.positions}, str(here / "sample_input.safetensors"))
     out = codec.decode(blob)
     save_file(
-        {"keys": out.keys, "values": out.values, "positions": out.positions}, str(HERE / "sample_decoded.safetensors")
+        {"keys": out.keys, "values": out.values, "positions": out.positions}, str(here / "sample_decoded.safetensors")
     )
-    print(f"calibration {cal.hash[:16]}, blob {len(blob)} bytes")
+    backends = sorted({s["backend"] for s in Codec.inspect(blob)["sections"]})
+    print(f"{here}: calibration {cal.hash[:16]}, blob {len(blob)} bytes, backends {backends}")
+
+
+def main():
+    import sys
+
+    if "--legacy" in sys.argv:
+        write(HERE)
+    # more tokens than the first set, so that the fixed-step planes' Gaussians beat zstd
+    write(HERE / "current", Recipe(ratios=(4, 8), dp_rows=256), tokens=256)
 
 
 if __name__ == "__main__":

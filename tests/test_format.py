@@ -30,6 +30,8 @@ def blob():
 
 
 def test_fixture_decodes_byte_exactly_and_reencodes_to_the_same_bytes(cal, blob):
+    """The first encoder's blob (container version 1, zstd only) still decodes byte for byte; today's encoder codes
+    the same slice to a blob that decodes to the same tensors (its sections now use other coders)."""
     codec = Codec(cal, ratio=8, sinks=2, window=4)
     out = codec.decode(blob)
     want = load_file(str(FIX / "sample_decoded.safetensors"))
@@ -38,11 +40,51 @@ def test_fixture_decodes_byte_exactly_and_reencodes_to_the_same_bytes(cal, blob)
         assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
     inp = load_file(str(FIX / "sample_input.safetensors"))
     kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
-    assert codec.encode(kv) == blob
+    again = codec.decode(codec.encode(kv))
+    for name in ("keys", "values", "positions"):
+        assert torch.equal(getattr(again, name), want[name]), name
     info = Codec.inspect(blob)
     assert info["calibration"] == cal.hash and info["model_id"] == "fixture"
     assert (info["tokens"], info["sinks"], info["window"], info["middle_tokens"]) == (40, 2, 4, 34)
     assert info["bytes"] == len(blob)
+
+
+CURRENT = FIX / "current"
+
+
+def test_current_fixture_uses_every_cpu_coder_and_reencodes_byte_exactly():
+    """Today's encoder: fixed-step planes under their Gaussians (``gauss``), positions delta coded
+    (``zstd-delta64``); the checked-in blob decodes byte for byte and the slice re-encodes to the same bytes."""
+    cal = Calibration.load(CURRENT / "calibration.safetensors")
+    blob = (CURRENT / "sample.kvtc").read_bytes()
+    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    backends = {s["backend"] for s in Codec.inspect(blob)["sections"]}
+    assert {"gauss", "zstd-delta64"} <= backends
+    out = codec.decode(blob)
+    want = load_file(str(CURRENT / "sample_decoded.safetensors"))
+    for name in ("keys", "values", "positions"):
+        assert torch.equal(getattr(out, name), want[name]), name
+    inp = load_file(str(CURRENT / "sample_input.safetensors"))
+    kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
+    assert codec.encode(kv) == blob
+
+
+def test_current_fixture_rejects_every_flip_of_its_gauss_streams():
+    cal = Calibration.load(CURRENT / "calibration.safetensors")
+    blob = (CURRENT / "sample.kvtc").read_bytes()
+    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    header, body = container.read_header(blob)
+    off, flipped = body, 0
+    for s in header.sections:
+        if s.backend == "gauss":
+            for i in range(off, off + s.coded):
+                bad = bytearray(blob)
+                bad[i] ^= 0x5A
+                with pytest.raises(FormatError):
+                    codec.decode(bytes(bad))
+                flipped += 1
+        off += s.coded
+    assert flipped > 100
 
 
 def test_every_single_byte_flip_is_rejected(cal, blob):

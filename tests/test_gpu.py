@@ -380,6 +380,28 @@ def test_fixed_step_plans_code_the_same_on_both_devices(setup, precision):
             assert float((x.float() - y.float().cpu()).square().sum()) <= tol * energy
 
 
+def test_cpu_blobs_with_gauss_planes_decode_the_same_on_the_gpu(setup):
+    """The CPU encoder's default coders (fixed-step planes under their Gaussians, delta-coded positions): a GPU
+    codec decodes such a blob (those sections on the host) to what the CPU decodes."""
+    from kvtc.codec import gaussian
+
+    _kernels()
+    if not gaussian.available():
+        pytest.skip("constriction is not installed")
+    cal, kv = setup
+    plan = Plan(((16, INT4S, 1), (1, INT8F, 4), (1, INT4F, 12), (1, INT2F, 20)),
+                clips=(1.0, *[0.01 * 1.3**i for i in range(36)]))  # fmt: skip
+    hand = dataclasses.replace(cal, plans={"8": {"keys": [plan], "values": [plan]}})
+    blob = Codec(hand, ratio=8).encode(kv)
+    backends = {s["backend"] for s in Codec.inspect(blob)["sections"]}
+    assert "gauss" in backends and "zstd-delta64" in backends
+    a = Codec(hand, ratio=8).decode(blob)
+    b = Codec(hand, ratio=8, device="cuda").decode(blob, device="cuda")
+    for x, y in ((a.keys, b.keys), (a.values, b.values), (a.positions, b.positions)):
+        energy = max(float(x.float().square().sum()), 1.0)
+        assert float((x.float() - y.float().cpu()).square().sum()) <= 1e-4 * energy
+
+
 def test_gpu_restore_path_refuses_corrupt_blobs(setup):
     """A flipped byte fails the section's CRC-32; a flipped byte with its CRC-32 fixed fails the entropy decode's
     device check: both FormatError, from decode and from decode_layers before the first layer."""

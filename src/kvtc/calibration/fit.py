@@ -206,7 +206,14 @@ def fit_calibration(
             stats["kv_split"]["value_share"].setdefault(ratio_key(r), []).append(round(bv / max(bk + bv, 1e-30), 4))
             for kind, b in (("keys", bk), ("values", bv)):
                 if recipe.rate == "stored":
-                    plan = stored_plan(curves[kind], kept_rows[kind], b, ratio_budget_bits=budget, kv_split=kv_split)
+                    plan = stored_plan(
+                        curves[kind],
+                        kept_rows[kind],
+                        b,
+                        eigenvalues=pca.eigenvalues if recipe.coder == "gauss" else None,
+                        ratio_budget_bits=budget,
+                        kv_split=kv_split,
+                    )
                 else:
                     plan = curves[kind].plan(b, ratio_budget_bits=budget, kv_split=kv_split)
                 plans[ratio_key(r)][kind].append(plan)
@@ -235,34 +242,47 @@ def fit_calibration(
     )
 
 
-def stored_bits(coeffs: torch.Tensor, plan: Plan, backend: str | None = None) -> float:
+def stored_bits(
+    coeffs: torch.Tensor, plan: Plan, backend: str | None = None, eigenvalues: torch.Tensor | None = None
+) -> float:
     """Bits per row that ``plan``'s sections take for the coefficient rows ``coeffs`` ``[n, k]`` as the CPU codec
     stores them: quantized and packed by :class:`kvtc.codec.quantizer.Quantizer`, each section entropy coded by
-    ``backend`` (default: the CPU codec's, zstd) or stored raw where that is smaller, as in a blob."""
+    ``backend`` (default: the CPU codec's, zstd) or stored raw where that is smaller, as in a blob; with the PCA's
+    ``eigenvalues``, each fixed-step plane also under its components' Gaussians (:mod:`kvtc.codec.gaussian`) where
+    that is smaller, as the CPU encoder does."""
     from ..codec.clock import stage_clock
-    from ..codec.entropy import DEFAULT_BACKEND, get_backend
+    from ..codec.entropy import DEFAULT_BACKEND, encode_stream
     from ..codec.quantizer import PlanLayout, Quantizer
 
     pl = PlanLayout.build(plan)
     if pl.kept_groups == 0 or coeffs.shape[0] == 0:
         return 0.0
-    coder = get_backend(backend or DEFAULT_BACKEND)
+    if eigenvalues is not None:
+        pl.set_spreads(eigenvalues)
     x = coeffs[:, : pl.components].float().contiguous()
     sections = Quantizer(torch.device("cpu"), fused=False).encode("g", x, pl, "bits", stage_clock(None))
-    total = sum(min(len(coder.compress(raw)), len(raw)) for _, raw in sections if len(raw))
+    total = sum(len(encode_stream(raw, backend or DEFAULT_BACKEND)[1]) for _, raw in sections if len(raw))
     return 8.0 * total / coeffs.shape[0]
 
 
-def stored_plan(curve: ErrorCurve, coeffs: torch.Tensor, budget_bits: float, steps: int = 8, **meta: Any) -> Plan:
+def stored_plan(
+    curve: ErrorCurve,
+    coeffs: torch.Tensor,
+    budget_bits: float,
+    steps: int = 8,
+    eigenvalues: torch.Tensor | None = None,
+    **meta: Any,
+) -> Plan:
     """``rate="stored"``: the plan of the largest budget whose sections, as the codec stores them
-    (:func:`stored_bits` on ``coeffs``: calibration rows the DP did not see), fit ``budget_bits``. The coded rate counts each component's own symbol
+    (:func:`stored_bits` on ``coeffs``: calibration rows the DP did not see; ``eigenvalues``: the PCA's, for the
+    fixed-step planes' Gaussians), fit ``budget_bits``. The coded rate counts each component's own symbol
     entropy, while a blob's entropy coder has one table per section (a type's plane of every component it codes), so
     plans of many distributions (fixed-step groups above all) store more than the DP counts; this closes that gap by
     bisection over the budget, ``steps`` halvings of a bracket around it."""
 
     def fits(b: float) -> tuple[bool, Plan, float]:
         plan = curve.plan(b, **meta)
-        s = stored_bits(coeffs, plan)
+        s = stored_bits(coeffs, plan, eigenvalues=eigenvalues)
         return s <= budget_bits, plan, s
 
     ok, plan, s = fits(budget_bits)

@@ -81,6 +81,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # symbol entropies alone) or each group's packed bits ("nominal", the paper's: the entropy coder's gain, about
     # 1.1x, comes on top of the target)
     "rate": ("stored", "coded", "nominal"),
+    # the coder the stored rate fits each plan's sections to: each fixed-step plane under its components' Gaussians
+    # where that is smaller than zstd ("gauss", ours: as the CPU encoder stores them, kvtc.codec.gaussian), or zstd
+    # alone ("zstd": r13 and before)
+    "coder": ("gauss", "zstd"),
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
     # first documents on ("first")
     "sampling": ("spread", "first"),
@@ -112,7 +116,7 @@ class Recipe:
     sorted), ``grouping`` (which features share a PCA), ``rank_cap``, ``method``, ``power_iters``, ``oversample``
     (the PCA), ``dp_rows`` (rows the DP measures errors on), ``sizes`` and ``types`` (group sizes and quantization
     type codes the DP may use), ``kv_split``, ``value_weight``, ``split_errors`` (how K and V share a ratio's bits),
-    ``rate`` (what the budget counts), ``seed``.
+    ``rate`` (what the budget counts), ``coder`` (what the stored rate measures sections with), ``seed``.
 
     Collecting (:func:`~kvtc.integrations.hf_calibrate.calibrate_model`): ``tokens`` (calibration rows),
     ``window`` (tokens per window), ``sinks`` (positions of each window left out), ``sampling``; ``sensitivity``
@@ -136,6 +140,7 @@ class Recipe:
     value_weight: float = DEFAULT_VALUE_WEIGHT
     split_errors: str = "relative"
     rate: str = "stored"
+    coder: str = "gauss"
     sensitivity: str = "fisher"
     sensitivity_resolution: str = "feature"
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
@@ -247,14 +252,19 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: token-adaptive rates; r11u without weighting.
 #: r12: r11 plus the key-to-query map, so that the tiers rank tokens by the attention of the newest
 #: tokens' queries predicted from their exact keys instead of the mean queries'; r12u without weighting.
-#: r13 (now the default): r12 plus plans at 144x and 192x, the low tiers of 48x and 64x at 3 times the target;
-#: r13u without weighting.
-_R12 = {"ratios": R12_RATIOS}
-_R10 = {"ratios": R10_RATIOS, "queries": "none"}
+#: r13: r12 plus plans at 144x and 192x, the low tiers of 48x and 64x at 3 times the target; r13u without
+#: weighting.
+#: r14 (now the default): r13 with each plan's stored size measured as the encoder now stores it, fixed-step planes
+#: under their components' Gaussians (``coder="gauss"``); r14u without weighting.
+_R13 = {"coder": "zstd"}
+_R12 = {"ratios": R12_RATIOS, **_R13}
+_R10 = {"ratios": R10_RATIOS, "queries": "none", **_R13}
 _R9 = {"types": R9_TYPES, "rate": "coded", **_R10}
 RECIPES: dict[str, Recipe] = {
-    "r13": Recipe(),
-    "r13u": Recipe(sensitivity="none"),
+    "r14": Recipe(),
+    "r14u": Recipe(sensitivity="none"),
+    "r13": Recipe(**_R13),
+    "r13u": Recipe(sensitivity="none", **_R13),
     "r12": Recipe(**_R12),
     "r12u": Recipe(sensitivity="none", **_R12),
     "r11": Recipe(queries="mean", **_R12),
@@ -264,7 +274,7 @@ RECIPES: dict[str, Recipe] = {
     "r9": Recipe(**_R9),
     "r9u": Recipe(sensitivity="none", **_R9),
 }
-DEFAULT_RECIPE = "r13"
-UNWEIGHTED_RECIPE = "r13u"
+DEFAULT_RECIPE = "r14"
+UNWEIGHTED_RECIPE = "r14u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

@@ -53,6 +53,14 @@ def add_calibrate(sub: Any) -> None:
         "nominal: the packed bits, the entropy coder's gain on top (the paper's rule)",
     )
     p.add_argument(
+        "--coder",
+        choices=("gauss", "zstd"),
+        default="gauss",
+        help="what the stored rate measures a plan's sections with: gauss: fixed-step planes under their "
+        "components' Gaussians where that beats zstd, as the CPU encoder stores them (default); zstd: zstd alone "
+        "(recipe r13)",
+    )
+    p.add_argument(
         "--sensitivity",
         choices=("fisher", "none"),
         default="fisher",
@@ -178,6 +186,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
     return Recipe(
         kv_split=args.kv_split,
         rate=args.rate,
+        coder=args.coder,
         sensitivity=args.sensitivity,
         sampling=args.sampling,
         queries=args.queries,

@@ -39,7 +39,7 @@ from ..layout import DTYPES, KVSlice
 from . import budget, container, gpu_decode, gpu_write, info, ladder, spans, tiers
 from .buffers import device_bytes, host_bytes, le_bytes, section_tensor
 from .clock import Clock, stage_clock
-from .entropy import DEFAULT_BACKEND, Precoded, device_coder, get_backend
+from .entropy import DEFAULT_BACKEND, Int64s, Precoded, device_coder, get_backend
 from .packing import PACKINGS
 from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from .transform import PRECISIONS, PCATransform
@@ -104,8 +104,8 @@ class Codec:
         self._plans: dict[str, list[PlanLayout]] = {}
         if calibration is not None:
             self._transform = PCATransform(calibration, self.device, precision, self._fused)
-            plans = calibration.plans_for(self.ratio)
-            self._plans = {kind: [PlanLayout.build(p) for p in plans[kind]] for kind in KINDS}
+            calibration.plans_for(self.ratio)  # a ratio it has no plan for raises here, naming the ones it has
+            self._plans = plan_layouts(calibration, self.ratio)
         #: (high, low, share) of a two-tier encode (container version 3), or None
         self.tiers: tuple[str, str, float] | None = None
         #: the rungs (ratio keys) of a rate-ladder encode (container version 4), or None
@@ -162,7 +162,7 @@ class Codec:
         if self.ladder is not None and header.middle_tokens:
             header.rungs, header.rung_counts = self.ladder, {kind: [] for kind in KINDS}
         budget.check_sparsity(header)
-        payloads: list[tuple[str, Any]] = [("positions", le_bytes(kv.positions))]
+        payloads: list[tuple[str, Any]] = [("positions", Int64s(le_bytes(kv.positions)))]
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
             prot = spans.protected(t, header)
             payloads.append((f"raw.{kind}", device_bytes(prot) if self._on_fused_device(prot) else le_bytes(prot)))
@@ -298,16 +298,19 @@ class Codec:
         self, blob: bytes | torch.Tensor, on_device: bool = False, deferred: list[Any] | None = None
     ) -> tuple[container.Header, dict[str, Any]]:
         blob, pinned, header, body = self._checked_header(blob)
-        expected = self._expected_sections(header)
+        hints: dict[str, Any] = {}
+        expected = self._expected_sections(header, hints)
         secs = None
         if on_device and self._fused:
             for name in dict.fromkeys(x.backend for x in header.sections):
                 coder = device_coder(name, self.device)
                 if coder is not None:
-                    secs = container.read_sections(blob, header, body, expected, coder, name, pinned, deferred)
+                    secs = container.read_sections(
+                        blob, header, body, expected, coder, name, pinned, deferred, hints=hints
+                    )
                     break
         if secs is None:
-            secs = container.read_sections(blob, header, body, expected)
+            secs = container.read_sections(blob, header, body, expected, hints=hints)
         if header.tiers:  # each group's mask, checked, in place of its bytes
             middles = spans.group_middles(header, self.calibration.grouping)  # type: ignore[union-attr]
             for g, (_, m) in enumerate(middles):
@@ -358,14 +361,22 @@ class Codec:
                 raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
         return blob, pinned, header, body
 
-    def _expected_sections(self, h: container.Header) -> dict[str, int]:
+    def _expected_sections(self, h: container.Header, hints: dict[str, Any] | None = None) -> dict[str, int]:
+        """Each section's exact raw size, from the header and the calibration; ``hints`` receives each fixed-step
+        plane's ``gauss`` model (:class:`kvtc.codec.gaussian.Hint`)."""
         exp = {"positions": 8 * h.batch * h.tokens}
         for kind in KINDS:
             exp[f"raw.{kind}"] = spans.raw_bytes(h)
+        hints = {} if hints is None else hints
+
+        def add(prefix: str, pl: PlanLayout, n: int) -> None:
+            exp.update(pl.section_sizes(prefix, n, h.packing))
+            hints.update({f"{prefix}.{t}": hint for t, hint in pl.hints(n, h.packing).items()})
+
         if h.mode == "kvtc" and h.middle_tokens:
             middles = spans.group_middles(h, self.calibration.grouping)  # type: ignore[union-attr]
             if h.rungs:
-                return ladder.expected(self.calibration, h, middles, exp)
+                return ladder.expected(self.calibration, h, middles, exp, hints)
             if h.tiers:
                 hi, lo = self._tier_layouts(h.tiers)
                 for g, (_, m) in enumerate(middles):
@@ -376,13 +387,13 @@ class Codec:
                         k = tiers.high_count(m, h.tiers[2])
                         for prefix, pl, n in ((f"{kind}.{g}", hi[kind][g], k), (f"{kind}.{g}.lo", lo[kind][g], m - k)):
                             if m and n:
-                                exp.update(pl.section_sizes(prefix, h.batch * n, h.packing))
+                                add(prefix, pl, h.batch * n)
                 return exp
             plans = plan_layouts(self.calibration, h.ratio)
             for kind in KINDS:
                 for g, pl in enumerate(plans[kind]):
                     if middles[g][1]:
-                        exp.update(pl.section_sizes(f"{kind}.{g}", h.batch * middles[g][1], h.packing))
+                        add(f"{kind}.{g}", pl, h.batch * middles[g][1])
         return exp
 
     def decode(

@@ -343,8 +343,11 @@ def read_sections(
     backend: str | None = None,
     pinned: Any = None,
     deferred: list[Any] | None = None,
+    hints: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived.
+    """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived; ``hints``: the
+    model of each section a ``gauss`` stream may code (:class:`kvtc.codec.gaussian.Hint`, by name; a ``gauss``
+    stream without one is refused).
 
     With ``coder`` (the GPU coder of entropy backend ``backend``), that backend's sections are decoded on its
     device in one batch into uint8 device tensors (``pinned``: the blob itself as a pinned uint8 host tensor, so
@@ -383,7 +386,7 @@ def read_sections(
         deferred.append(check)
     for i, s in enumerate(header.sections):
         if s.name not in out:
-            out[s.name] = decode_stream(bytes(chunks[i]), s.backend, s.raw)
+            out[s.name] = decode_stream(bytes(chunks[i]), s.backend, s.raw, (hints or {}).get(s.name))
     return {s.name: out[s.name] for s in header.sections}
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import FormatError
-from . import huffman, huffman_gpu, nvcomp
+from . import gaussian, huffman, huffman_gpu, nvcomp
 from .buffers import Parts, Pinned
 
 
@@ -91,6 +91,10 @@ BACKENDS: dict[str, Backend] = {
     huffman.NAME: Backend(huffman.NAME, huffman.cpu_compress, huffman.cpu_decompress, huffman_gpu.device_coder),
 }
 
+#: zstd of the differences between consecutive little-endian int64 words: a blob's token positions (a
+#: sequence's positions count up by one, so the differences are a run of ones)
+DELTA64 = "zstd-delta64"
+
 try:
     import zstandard as _zstd
 
@@ -115,6 +119,23 @@ try:
         return out
 
     BACKENDS["zstd"] = Backend("zstd", _zstd_compress, _zstd_decompress)
+
+    def _delta64(data: bytes, sign: int) -> bytes:
+        """Little-endian int64 words of ``data`` as differences from the word before (``sign`` 1), or back
+        (``sign`` -1); a tail of fewer than 8 bytes is left as it is."""
+        import numpy as np
+
+        n = len(data) // 8
+        w = np.frombuffer(data, dtype="<i8", count=n)
+        with np.errstate(over="ignore"):
+            out = np.diff(w, prepend=np.int64(0)) if sign > 0 else np.cumsum(w, dtype=np.int64)
+        return out.astype("<i8").tobytes() + bytes(data[8 * n :])
+
+    BACKENDS[DELTA64] = Backend(
+        DELTA64,
+        lambda data: _zstd_compress(_delta64(data, 1)),
+        lambda data, raw_len: _delta64(_zstd_decompress(data, raw_len), -1),
+    )
 except ImportError:  # pragma: no cover - zstandard is a hard dependency; kept for minimal installs
     pass
 
@@ -168,29 +189,68 @@ class Precoded:
         return self.raw_len
 
 
+class Int64s(bytes):
+    """Little-endian int64 words (a blob's positions): also tried under :data:`DELTA64` beside a general-purpose
+    host backend, the smaller kept."""
+
+
+class Modeled(bytes):
+    """Packed fixed-step symbol planes with the :class:`~kvtc.codec.gaussian.Hint` their ``gauss`` model is
+    built from (bytes in every other respect)."""
+
+    hint: gaussian.Hint
+
+    def __new__(cls, data: bytes | memoryview, hint: gaussian.Hint) -> Modeled:
+        out = super().__new__(cls, data)
+        out.hint = hint
+        return out
+
+
+#: the general-purpose host backends beside which a :class:`Modeled` section is also tried under its Gaussians
+#: (a GPU backend's sections stay its own, so that its device decodes the whole blob)
+MODELED_WITH = frozenset({"zstd", "zlib"})
+
+
 def encode_stream(data: bytes | Precoded, backend: str) -> tuple[str, bytes]:
-    """Code ``data`` with ``backend``; falls back to ``raw`` when coding does not shrink it."""
+    """Code ``data`` with ``backend`` (a :class:`Modeled` section beside a general-purpose host backend: also
+    with ``gauss``, the smaller kept); falls back to ``raw`` when coding does not shrink it."""
     if isinstance(data, Precoded):
         if data.backend != "raw" and len(data.coded) < data.raw_len:
             return data.backend, data.coded
         return "raw", data.raw()
+    best: tuple[str, bytes] = ("raw", bytes(data))
     if backend != "raw" and data:
         (coded,) = get_backend(backend).encode([data])
-        if len(coded) < len(data):
-            return backend, coded
-    return "raw", bytes(data)
+        if len(coded) < len(best[1]):
+            best = (backend, coded)
+    if isinstance(data, Int64s) and backend in MODELED_WITH and data and DELTA64 in BACKENDS:
+        (coded,) = get_backend(DELTA64).encode([data])
+        if len(coded) < len(best[1]):
+            best = (DELTA64, coded)
+    if isinstance(data, Modeled) and backend in MODELED_WITH and data and gaussian.available():
+        coded = gaussian.compress(data, data.hint)
+        if len(coded) < len(best[1]):
+            best = (gaussian.NAME, coded)
+    return best
 
 
-def decode_stream(data: bytes, backend: str, raw_len: int) -> bytes:
-    """Decode one host stream of ``backend`` to exactly ``raw_len`` bytes."""
+def decode_stream(data: bytes, backend: str, raw_len: int, hint: gaussian.Hint | None = None) -> bytes:
+    """Decode one host stream of ``backend`` to exactly ``raw_len`` bytes (``hint``: the model of a ``gauss``
+    stream, from the blob's calibration and header)."""
+    if backend == gaussian.NAME:
+        return gaussian.decompress(data, raw_len, hint)
     return get_backend(backend).decode([data], [raw_len])[0]
 
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_BACKEND",
+    "DELTA64",
+    "MODELED_WITH",
     "Backend",
+    "Int64s",
     "EntropyCoder",
+    "Modeled",
     "Parts",
     "Pinned",
     "Precoded",

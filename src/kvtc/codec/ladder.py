@@ -24,7 +24,7 @@ from ..calibration.artifact import KINDS
 from ..errors import FormatError
 from . import container, tiers
 from .clock import Clock
-from .entropy import Precoded, encode_stream
+from .entropy import Modeled, Precoded, encode_stream
 from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 
 if TYPE_CHECKING:
@@ -204,9 +204,16 @@ def pieces(cal: Any, h: container.Header, kind: str, g: int) -> dict[str, list[t
     return {x: merged[x] for x in _suffixes(merged)}  # type: ignore[arg-type]
 
 
-def expected(cal: Any, h: container.Header, middles: list[tuple[int, int]], exp: dict[str, int]) -> dict[str, int]:
+def expected(
+    cal: Any,
+    h: container.Header,
+    middles: list[tuple[int, int]],
+    exp: dict[str, int],
+    hints: dict[str, Any] | None = None,
+) -> dict[str, int]:
     """``exp`` (the sections every blob has, name -> raw bytes) plus a rate-ladder blob's own, after checking its
-    rung counts against the groups (:class:`~kvtc.errors.FormatError` where they disagree)."""
+    rung counts against the groups (:class:`~kvtc.errors.FormatError` where they disagree); ``hints`` receives
+    each fixed-step plane's ``gauss`` model (:class:`kvtc.codec.gaussian.Hint`, every rung's rows in turn)."""
     assert h.rungs is not None and h.rung_counts is not None
     for kind in KINDS:
         counts = h.rung_counts[kind]
@@ -223,6 +230,11 @@ def expected(cal: Any, h: container.Header, middles: list[tuple[int, int]], exp:
             exp[f"rungs.{kind}.{g}"] = h.batch * m
             for suffix, parts in pieces(cal, h, kind, g).items():
                 exp[f"{kind}.{g}.{suffix}"] = sum(size for _, size in parts)
+            if hints is not None:
+                for j, n in enumerate(h.rung_counts[kind][g]):
+                    for suffix, hint in plan_layouts(cal, h.rungs[j])[kind][g].hints(n, h.packing).items():
+                        name = f"{kind}.{g}.{suffix}"
+                        hints[name] = hints[name] + hint if name in hints else hint
     return exp
 
 
@@ -236,10 +248,17 @@ def _suffixes(merged: dict[str, list[Any]]) -> list[str]:
 
 
 def _joined(parts: list[Any]) -> Any:
-    """Sections' payloads back to back: one device tensor if they are tensors, else bytes."""
+    """Sections' payloads back to back: one device tensor if they are tensors, else bytes (:class:`Modeled`
+    bytes, their hints joined, if every part is)."""
     if any(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
-    return b"".join(bytes(p) for p in parts)
+    data = b"".join(bytes(p) for p in parts)
+    if parts and all(isinstance(p, Modeled) for p in parts):
+        hint = parts[0].hint
+        for p in parts[1:]:
+            hint = hint + p.hint
+        return Modeled(data, hint)
+    return data
 
 
 __all__ = ["Unit", "allocate", "encode", "errors", "expected", "measured", "pieces", "sections"]

@@ -17,9 +17,11 @@ import torch
 
 from .. import kernels
 from ..calibration.plan import Plan
-from ..quant import CODED_TYPES, DROP, TYPE_BITS, TYPE_NAMES, dequantize, param_rows, quantize
+from ..quant import CODED_TYPES, DROP, FIXED_TYPES, TYPE_BITS, TYPE_NAMES, dequantize, param_rows, quantize
+from . import gaussian
 from .buffers import from_le, le_bytes, section_tensor
 from .clock import Clock
+from .entropy import Modeled
 from .packing import pack, packed_plane_bytes, unpack
 
 
@@ -64,6 +66,32 @@ class PlanLayout:
     param_rows: int  # rows of the params stream
     plane_sizes: dict[int, int]  # type -> components in its plane
     buckets: list[Bucket]
+    #: fixed-step type -> int16 ``[plane rows]``: each row's standard deviation in steps on the ``gauss`` grid
+    #: (:func:`kvtc.codec.gaussian.std_index`; set by :func:`plan_layouts` from the calibration's eigenvalues)
+    spreads: dict[int, Any] | None = None
+
+    def set_spreads(self, eigenvalues: torch.Tensor) -> None:
+        """Each fixed-step plane row's model index: ``√λ / Δ`` of its component (eigenvalue ``λ``, step ``Δ``)."""
+        out = {}
+        ev = eigenvalues.double().cpu().clamp_min(0)
+        for t, rows in self.plane_sizes.items():
+            if t not in FIXED_TYPES:
+                continue
+            std = torch.zeros(rows, dtype=torch.float64)
+            for b in self.buckets:
+                if b.qtype == t:
+                    step = torch.ones(b.columns.numel(), dtype=torch.float64) if b.clips is None else (
+                        b.clips.double().repeat_interleave(b.size)
+                    )  # fmt: skip
+                    std[b.plane_rows] = ev[b.columns.reshape(-1)].sqrt() / step
+            out[t] = gaussian.std_index(std)
+        self.spreads = out
+
+    def hints(self, tokens: int, packing: str) -> dict[str, gaussian.Hint]:
+        """Type name -> the ``gauss`` model of its plane for ``tokens`` coded tokens (fixed-step types)."""
+        if self.spreads is None or not tokens:
+            return {}
+        return {TYPE_NAMES[t]: gaussian.Hint(TYPE_BITS[t], packing, ((tokens, ks),)) for t, ks in self.spreads.items()}
 
     @classmethod
     def build(cls, plan: Plan) -> PlanLayout:
@@ -152,9 +180,12 @@ class Quantizer:
                 planes[b.qtype][b.plane_rows.to(dev)] = sym.permute(1, 2, 0).reshape(-1, n)
         with clock("pack"):
             out = [(f"{prefix}.params", le_bytes(params))]
+            hints = pl.hints(n, packing)
             for t in CODED_TYPES:
                 if t in planes:
-                    out.append((f"{prefix}.{TYPE_NAMES[t]}", le_bytes(pack(planes[t].cpu(), TYPE_BITS[t], packing))))
+                    data = le_bytes(pack(planes[t].cpu(), TYPE_BITS[t], packing))
+                    hint = hints.get(TYPE_NAMES[t])
+                    out.append((f"{prefix}.{TYPE_NAMES[t]}", data if hint is None else Modeled(data, hint)))
         return out
 
     @staticmethod
@@ -253,6 +284,9 @@ def plan_layouts(calibration: Any, ratio: float) -> dict[str, list[PlanLayout]]:
     cache = calibration.__dict__.setdefault("_plan_layouts", {})
     if key not in cache:
         cache[key] = {kind: [PlanLayout.build(p) for p in ps] for kind, ps in plans.items()}
+        for kind, pls in cache[key].items():
+            for g, pl in enumerate(pls):
+                pl.set_spreads(calibration.pcas[kind][g].eigenvalues)
     return cache[key]
 
 
