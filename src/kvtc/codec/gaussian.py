@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from .packing import packed_plane_bytes, symbols_per_byte
+from .packing import pack, packed_plane_bytes, unpack
 
 NAME = "gauss"
 #: steps of the standard-deviation grid per octave
@@ -110,37 +110,20 @@ def _model(bits: int, k: int) -> object:
 
 
 def _symbols(data: bytes | memoryview, hint: Hint) -> list[np.ndarray]:
-    """Each piece's symbols ``[rows, tokens]`` (uint8) from the packed plane bytes."""
+    """Each piece's symbols ``[rows, tokens]`` (uint8) from the packed plane bytes (:func:`kvtc.codec.packing.unpack`)."""
     buf = np.frombuffer(data, dtype=np.uint8)
     out, off = [], 0
-    per = symbols_per_byte(hint.bits, hint.packing)
-    mask = (1 << hint.bits) - 1
     for n, ks in hint.pieces:
         width = packed_plane_bytes(n, hint.bits, hint.packing)
-        block = buf[off : off + len(ks) * width].reshape(len(ks), width)
+        block = torch.from_numpy(buf[off : off + len(ks) * width].reshape(len(ks), width).copy())
         off += len(ks) * width
-        if per == 1:
-            out.append(block[:, :n])
-        else:
-            shifts = np.arange(per, dtype=np.uint8) * hint.bits
-            out.append(((block[:, :, None] >> shifts) & mask).reshape(len(ks), -1)[:, :n].astype(np.uint8))
+        out.append(unpack(block, n, hint.bits, hint.packing).numpy())
     return out
 
 
 def _packed(planes: list[np.ndarray], hint: Hint) -> bytes:
-    per = symbols_per_byte(hint.bits, hint.packing)
-    parts = []
-    for (n, ks), sym in zip(hint.pieces, planes):
-        if per == 1:
-            width = packed_plane_bytes(n, hint.bits, hint.packing)
-            block = np.zeros((len(ks), width), dtype=np.uint8)
-            block[:, :n] = sym
-        else:
-            pad = (-n) % per
-            s = np.pad(sym, ((0, 0), (0, pad))).reshape(len(ks), -1, per).astype(np.uint16)
-            block = (s << (np.arange(per, dtype=np.uint16) * hint.bits)).sum(-1).astype(np.uint8)
-        parts.append(block.tobytes())
-    return b"".join(parts)
+    """Inverse of :func:`_symbols` (:func:`kvtc.codec.packing.pack`: padding bits zero)."""
+    return b"".join(pack(torch.from_numpy(sym), hint.bits, hint.packing).numpy().tobytes() for sym in planes)
 
 
 def _order(hint: Hint) -> list[tuple[int, list[tuple[int, int]]]]:
