@@ -28,6 +28,7 @@ import _report
 from kvtc import assets
 from kvtc.calibration import load_calibration
 from kvtc.codec import Codec
+from kvtc.codec import attention as attention_mod
 from kvtc.codec import tiers as tiers_mod
 from kvtc.eval.methods import KIVI, Method, Result
 from kvtc.layout import KVSlice
@@ -98,14 +99,14 @@ class Ladder(Method):
             out = codec.decode(codec.encode(kv))
             recon[r] = (out.keys.float().clone(), out.values.float().clone())
             _RECON[r] = recon[r]
-        before = tiers_mod.QUERY_POSITIONS
-        tiers_mod.QUERY_POSITIONS = self.queries or before
+        before = attention_mod.QUERY_POSITIONS
+        attention_mod.QUERY_POSITIONS = self.queries or before
         try:
-            mass = tiers_mod.attention_mass(
+            mass = attention_mod.attention_mass(
                 kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, rope, cal.query_map, self.moment
             )  # [B, L, T]
         finally:
-            tiers_mod.QUERY_POSITIONS = before
+            attention_mod.QUERY_POSITIONS = before
         exact = {"keys": kv.keys.float(), "values": kv.values.float()}
         new = {k: v.contiguous().clone() for k, v in exact.items()}
         per_layer = H * D

@@ -15,7 +15,7 @@ import torch
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
-from kvtc.codec import Codec, container, tiers
+from kvtc.codec import Codec, attention, container, tiers
 from kvtc.errors import CalibrationError, FormatError
 from kvtc.rope import RopeKind, RopeSpec
 from synthetic import LowRankSource, make_slice
@@ -61,7 +61,7 @@ def test_attention_mass_matches_a_brute_force_softmax(cal):
     kv = tiered_slice(batch=2, tokens=150)
     rope = _rope()
     B, T = kv.batch, kv.num_tokens
-    q_idx = torch.linspace(T - tiers.RECENT, T - 1, tiers.QUERY_POSITIONS).round().long().unique()
+    q_idx = torch.linspace(T - attention.RECENT, T - 1, attention.QUERY_POSITIONS).round().long().unique()
     want = {m: torch.zeros(B, 3, T, dtype=torch.float64) for m in (1, 2)}  # summed probabilities, and their squares
     for b in range(B):
         for i in range(3):
@@ -83,7 +83,7 @@ def test_attention_mass_matches_a_brute_force_softmax(cal):
                             for m, w in want.items():
                                 w[b, i] += torch.softmax(logits, 0) ** m
     for m, w in want.items():
-        got = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, moment=m)
+        got = attention.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, moment=m)
         assert torch.allclose(got.double(), w, atol=1e-4), (m, float((got.double() - w).abs().max()))
         assert torch.all(got[:, 1, : T - LAYOUT.held(1, T)] == 0)  # no mass on tokens the sliding layer does not hold
 
@@ -270,16 +270,16 @@ def _with_map(cal: Calibration, weights: float = 0.0, seed: int = 6) -> Calibrat
 def test_a_map_without_weights_ranks_as_the_mean_queries(cal):
     kv = tiered_slice(batch=2, tokens=150)
     rope = _rope()
-    mean = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope)
-    flat = tiers.attention_mass(
+    mean = attention.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope)
+    flat = attention.attention_mass(
         kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, _with_map(cal).query_map
     )
     assert torch.allclose(flat, mean, atol=1e-6)
     m = _with_map(cal, 0.5).query_map
-    moved = tiers.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, m)
+    moved = attention.attention_mass(kv.keys, kv.positions, LAYOUT, cal.queries, cal.query_scales, rope, m)
     assert not torch.allclose(moved, mean, atol=1e-3)  # the keys' own queries move the mass
     k = kv.keys[:, -3:].float()
-    q = tiers.predicted_queries(k, m)  # against the regression written out
+    q = attention.predicted_queries(k, m)  # against the regression written out
     want = torch.einsum("bqlhd,lhde->bqlhe", k, m[:, :, :D]) + m[:, :, D]
     assert torch.allclose(q, want.reshape(q.shape), atol=1e-5) and q.shape == (2, 3, 3, LAYOUT.num_kv_heads * G, D)
 

@@ -15,16 +15,9 @@ next-token KL at 24x and 32x, 25% at 48x, 11% at 64x on Gemma-3-270M; below 24x 
 SmolLM2-135M, a cheap low tier does worse (SmolLM2 32x: 12x/192x twice the KL of 16x/48x). Calibrations without
 those plans fall back to ``target/2`` and ``3·target``, then ``target/2`` and ``3·target/2``.
 
-Which tokens attention reads is estimated from what the encoder holds: the exact cache and, from the calibration,
-a map that predicts each query head's pre-RoPE query from its token's own pre-RoPE key (``Calibration.query_map``,
-a ridge regression fitted on the calibration corpus; calibrations of recipe r11 have only each head's mean query,
-``Calibration.queries``, which then stands in for every query). The queries of ``QUERY_POSITIONS`` of the slice's
-newest ``RECENT`` positions (whose keys the codec keeps exact) are predicted from their keys and rotated to their
-positions, and the softmax attention they give every token a layer holds (causal, within the layer's sliding
-window) is summed over the group's layers, heads and queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens
-attention reads": ranking by mean queries lowered next-token KL by 25-45% at 16-32x, a random ranking made it worse;
-"Recipe r12": predicted queries lower it 3-4% more). The decoder does not rank anything: the blob carries each
-group's choice as a bit mask (section ``tiers.{g}``, docs/FORMAT.md), so decoding never depends on the queries.
+Which tokens attention reads is estimated from what the encoder holds (:mod:`kvtc.codec.attention`). The decoder
+does not rank anything: the blob carries each group's choice as a bit mask (section ``tiers.{g}``, docs/FORMAT.md),
+so decoding never depends on the queries.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FormatError
+from ..errors import CalibrationError, FormatError
 
 #: the tiers' targets as multiples of the blob's target (the share of high-tier tokens follows, see :func:`share`)
 HIGH_FACTOR = 0.5
@@ -88,9 +81,6 @@ LADDER_UNITS = "relative"
 LADDER_VALUE_WEIGHT: float | None = 1.0
 #: encodes of a group's rows at most: after each, the coded size is measured and the budget scaled if it is over
 LADDER_PASSES = 3
-#: the newest positions whose (mean) queries score the tokens, and how many of them are used
-RECENT = 128
-QUERY_POSITIONS = 32
 
 
 def tier_targets(target: float, plain_error: float | None = None) -> tuple[float, float]:
@@ -277,69 +267,6 @@ def allocate(errors: torch.Tensor, costs: torch.Tensor, budget: float) -> torch.
     return pick(hi)
 
 
-def predicted_queries(keys: torch.Tensor, query_map: torch.Tensor) -> torch.Tensor:
-    """``[B, Q, L, H·G, D]`` float32: each query head's pre-RoPE query predicted from its token's pre-RoPE key
-    ``keys`` ``[B, Q, L, H, D]`` by ``query_map`` ``[L, H, D + 1, G·D]`` (the last row: the intercept)."""
-    B, Q, L, H, D = keys.shape
-    m = query_map.to(keys.device, torch.float32)
-    q = torch.einsum("bqlhd,lhde->bqlhe", keys.float(), m[:, :, :D]) + m[:, :, D]
-    return q.reshape(B, Q, L, H * (m.shape[-1] // D), D)
-
-
-def attention_mass(
-    keys: torch.Tensor,
-    positions: torch.Tensor,
-    layout: Any,
-    queries: torch.Tensor,
-    scales: torch.Tensor,
-    rope: Any,
-    query_map: torch.Tensor | None = None,
-    moment: int = 1,
-) -> torch.Tensor:
-    """``[B, L, T]`` float32: the attention each token of each layer receives from queries at the slice's newest
-    positions (zero for tokens a layer does not hold): those predicted from their keys by ``query_map`` when given,
-    else the mean queries; summed over query heads and positions (``moment`` 2: the squares of the attention
-    probabilities summed instead).
-
-    ``keys``: the slice's pre-RoPE keys ``[B, T, L, H, D]``; ``queries``: ``[L, H, G, D]`` mean pre-RoPE queries
-    (``G`` query heads per KV head); ``scales``: ``[L]`` the attention's logit scale; ``rope``: the model's
-    :class:`~kvtc.rope.RopeSpec` or None (no RoPE); ``query_map``: ``[L, H, D + 1, G·D]``
-    (:func:`predicted_queries`)."""
-    B, T, L, H, D = keys.shape
-    dev = keys.device
-    out = torch.zeros((B, L, T), dtype=torch.float32, device=dev)
-    if T == 0:
-        return out
-    recent = min(RECENT, T)
-    q_idx = torch.linspace(T - recent, T - 1, min(QUERY_POSITIONS, recent), device=dev).round().long().unique()
-    Q = q_idx.numel()
-    G = queries.shape[2]
-    k = keys.float()
-    if query_map is not None:
-        q = predicted_queries(k[:, q_idx], query_map)
-    else:
-        q = queries.to(dev, torch.float32).reshape(1, 1, L, H * G, D).expand(B, Q, L, H * G, D)
-    qpos = positions[:, q_idx]
-    if rope is not None:
-        k = rope.apply(k, positions, list(layout.layers))
-        q = rope.apply(q.contiguous(), qpos, list(layout.layers))
-    diff = qpos[:, :, None] - positions[:, None, :]  # [B, Q, T]
-    for i in range(L):
-        first = T - layout.held(i, T)
-        kk = k[:, first:, i]  # [B, n, H, D]
-        qq = q[:, :, i].reshape(B, Q, H, G, D)
-        logits = torch.einsum("bqhgd,bnhd->bhgqn", qq, kk) * float(scales[i])
-        d = diff[:, :, first:]
-        mask = d < 0
-        limit = layout.limit(i)
-        if limit:
-            mask |= d >= limit
-        logits = logits.masked_fill(mask[:, None, None], float("-inf"))
-        p = torch.nan_to_num(logits.softmax(-1))  # a query that sees no held token gives none of them mass
-        out[:, i, first:] = (p if moment == 1 else p**moment).sum((1, 2, 3))
-    return out
-
-
 def group_layers(columns: torch.Tensor, layout: Any) -> list[int]:
     """Positions (in ``layout.layers``) of the layers a PCA group's feature columns belong to."""
     per_layer = len(layout.heads) * layout.head_dim
@@ -405,11 +332,44 @@ def unpack_rungs(data: Any, counts: list[int], name: str) -> torch.Tensor:
     return idx
 
 
+def resolve(cal: Any, ratio: float, asked: Any) -> tuple[tuple[str, str, float] | None, tuple[str, ...] | None]:
+    """``((high, low, share), None)`` for a two-tier encode, ``(None, rungs)`` for a rate ladder, ``(None, None)``
+    for one plan: what a codec of ``cal`` at ``ratio`` asked for ``asked`` tiers codes with."""
+    from ..calibration.artifact import ratio_key
+
+    if asked == "none":
+        return None, None
+    if asked == "auto":
+        rungs = ladder_rungs(cal, ratio)
+        if rungs is not None:
+            return None, rungs
+        asked = "two"  # a calibration whose ladder does not bracket the target: two tiers where it has them
+    if asked == "two":
+        pair = auto_pair(cal, ratio)
+        if pair is None:
+            return None, None
+        high, low = pair
+    else:
+        try:
+            high, low = (float(x) for x in asked)
+        except (TypeError, ValueError):
+            raise ValueError(f"tiers must be 'auto', 'two', 'none' or (high, low) targets, got {asked!r}") from None
+        if cal.queries is None:
+            raise CalibrationError(
+                "token-adaptive tiers need a calibration that records mean queries (format version 7: "
+                "`kvtc calibrate` with the default recipe); this one does not"
+            )
+        for r in (high, low):
+            cal.plans_for(r)  # raises, naming the ratios it has
+        if not high < ratio < low:
+            raise ValueError(f"tier targets must bracket the target: {high:g} < {ratio:g} < {low:g}")
+    return (ratio_key(high), ratio_key(low), round(share(ratio, high, low), 6)), None
+
+
 __all__ = [
+    "resolve",
     "HIGH_FACTOR",
     "LOW_FACTOR",
-    "QUERY_POSITIONS",
-    "RECENT",
     "INDEX_BITS",
     "LADDER_ERRORS",
     "LADDER_HEADROOM",
@@ -428,7 +388,6 @@ __all__ = [
     "ladder_weights",
     "layer_of",
     "layer_spread",
-    "attention_mass",
     "auto_pair",
     "concentrated",
     "choose",
@@ -437,7 +396,6 @@ __all__ = [
     "mask_bytes",
     "pack_mask",
     "plain_error",
-    "predicted_queries",
     "R13_LOW_FACTOR",
     "WIDE_FROM",
     "WIDE_HIGH",
