@@ -211,26 +211,34 @@ class Modeled(bytes):
 MODELED_WITH = frozenset({"zstd", "zlib"})
 
 
+def _candidates(data: bytes, backend: str) -> list[tuple[str, Callable[[], bytes]]]:
+    """The coders an encoder tries on a host section, in order (a tie keeps the earlier): the blob's backend, then
+    where it is a general-purpose host backend (:data:`MODELED_WITH`) the one its section's kind is made for:
+    positions as differences (:class:`Int64s`), fixed-step planes under their Gaussians (:class:`Modeled`)."""
+    out: list[tuple[str, Callable[[], bytes]]] = []
+    if backend != "raw":
+        out.append((backend, lambda: get_backend(backend).encode([data])[0]))
+    if backend in MODELED_WITH:
+        if isinstance(data, Int64s) and DELTA64 in BACKENDS:
+            out.append((DELTA64, lambda: get_backend(DELTA64).encode([data])[0]))
+        if isinstance(data, Modeled) and gaussian.available():
+            out.append((gaussian.NAME, lambda: gaussian.compress(data, data.hint)))
+    return out
+
+
 def encode_stream(data: bytes | Precoded, backend: str) -> tuple[str, bytes]:
-    """Code ``data`` with ``backend`` (a :class:`Modeled` section beside a general-purpose host backend: also
-    with ``gauss``, the smaller kept); falls back to ``raw`` when coding does not shrink it."""
+    """Code ``data`` with ``backend`` (a :class:`Modeled` or :class:`Int64s` section beside a general-purpose host
+    backend: also with the coder made for it, the smaller kept); falls back to ``raw`` when coding does not shrink
+    it."""
     if isinstance(data, Precoded):
         if data.backend != "raw" and len(data.coded) < data.raw_len:
             return data.backend, data.coded
         return "raw", data.raw()
     best: tuple[str, bytes] = ("raw", bytes(data))
-    if backend != "raw" and data:
-        (coded,) = get_backend(backend).encode([data])
+    for name, code in _candidates(data, backend) if data else ():
+        coded = code()
         if len(coded) < len(best[1]):
-            best = (backend, coded)
-    if isinstance(data, Int64s) and backend in MODELED_WITH and data and DELTA64 in BACKENDS:
-        (coded,) = get_backend(DELTA64).encode([data])
-        if len(coded) < len(best[1]):
-            best = (DELTA64, coded)
-    if isinstance(data, Modeled) and backend in MODELED_WITH and data and gaussian.available():
-        coded = gaussian.compress(data, data.hint)
-        if len(coded) < len(best[1]):
-            best = (gaussian.NAME, coded)
+            best = (name, coded)
     return best
 
 
