@@ -4,7 +4,7 @@ allocated (docs/FORMAT.md, "Validation", step 3)."""
 from __future__ import annotations
 
 from ..errors import FormatError, LayoutError
-from .container import _ESIZE, Header
+from .header import _ESIZE, Header
 
 #: default ceiling on the bytes one ``decode`` may produce and stage (the ``max_decoded_bytes`` of a Codec)
 DEFAULT_MAX_DECODED_BYTES = 32 << 30

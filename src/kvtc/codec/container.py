@@ -34,124 +34,24 @@ import json
 import struct
 import time
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import FormatError, LayoutError, OutputBufferError
-from ..layout import MAX_TOKENS, KVLayout, Span
+from ..errors import FormatError, OutputBufferError
 from .buffers import Parts
 from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
 from .entropy import EntropyCoder, decode_stream, encode_stream
-from .packing import PACKINGS
+from .header import Header, Section, parse_header  # Header, Section: part of the container's interface
 
 MAGIC = b"KVTC"
 VERSION = 4
 #: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts; 3: two tiers;
 #: 4: the rate ladder)
 VERSIONS = (1, 2, 3, 4)
-#: most plans a rate-ladder blob may name (its rung indices are bytes)
-MAX_RUNGS = 16
-MAX_GROUPS = 4096
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
-#: absolute caps on what a header may declare (a blob is one slice of one conversation batch)
-MAX_BATCH = 1 << 12
-MAX_SECTIONS = 4096
-MAX_TOTAL_RAW_BYTES = 1 << 36
-MAX_KV_HEADS = 1 << 12  # served models have at most a few hundred KV heads
-MODES = ("kvtc", "identity")
-_ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass
-class Section:
-    name: str
-    backend: str
-    raw: int
-    coded: int
-    crc32: int
-
-
-@dataclass
-class Header:
-    """Everything a decoder needs to know before touching the sections."""
-
-    mode: str
-    calibration: str | None
-    model_id: str
-    layout: KVLayout
-    batch: int
-    tokens: int
-    sinks: int
-    window: int
-    ratio: str | None
-    packing: str
-    sections: list[Section] = field(default_factory=list)
-    #: token-adaptive rates: (high target, low target, share of each group's middle tokens at the high one)
-    tiers: tuple[str, str, float] | None = None
-    #: rate ladder: the plans' ratio keys (rung ``j`` codes its tokens with ``rungs[j]``'s plan) and, per kind and
-    #: PCA group, how many middle tokens each rung codes
-    rungs: tuple[str, ...] | None = None
-    rung_counts: dict[str, list[list[int]]] | None = None
-
-    @property
-    def version(self) -> int:
-        """The container version this header is written as (4 with a rate ladder, 3 with two tiers, else 2 only when
-        some layer holds fewer tokens, else 1)."""
-        return 4 if self.rungs else 3 if self.tiers else 2 if self.layout.max_tokens else 1
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether the middle tokens are coded by more than one plan (two tiers or a rate ladder)."""
-        return bool(self.tiers or self.rungs)
-
-    @property
-    def spans(self) -> list[tuple[Span, int, int, int, int]]:
-        """``(span, first, sinks, window, middle)`` per :attr:`KVLayout.spans`: the first token those layers hold,
-        how many of the held tokens are stored raw as sinks and as the recent window, and how many are coded."""
-        out = []
-        for sp in self.layout.spans:
-            first, s, w = sp.protected(self.tokens, self.sinks, self.window)
-            out.append((sp, first, s, w, sp.held(self.tokens) - s - w))
-        return out
-
-    @property
-    def protected(self) -> tuple[int, int]:
-        """(sinks, window) stored raw per sequence by layers that hold every token."""
-        s = min(self.sinks, self.tokens)
-        w = min(self.window, self.tokens - s)
-        return s, w
-
-    @property
-    def middle_tokens(self) -> int:
-        """The most coded tokens of any layer (0: the blob stores every held token raw)."""
-        return max(m for *_, m in self.spans)
-
-    def held_bytes(self) -> int:
-        """Bytes of the keys and values the layers hold, in the layout's dtype."""
-        lay = self.layout
-        held = sum(sp.held(self.tokens) * len(sp.indices) for sp in lay.spans)
-        return 2 * self.batch * held * len(lay.heads) * lay.head_dim * _ESIZE.get(lay.dtype, 4)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "calibration": self.calibration,
-            "model_id": self.model_id,
-            "layout": self.layout.to_dict(),
-            "batch": self.batch,
-            "tokens": self.tokens,
-            "sinks": self.sinks,
-            "window": self.window,
-            "ratio": self.ratio,
-            "packing": self.packing,
-            "sections": [[s.name, s.backend, s.raw, s.coded, s.crc32] for s in self.sections],
-            **({"tiers": list(self.tiers)} if self.tiers else {}),
-            **({"rungs": list(self.rungs), "rung_counts": self.rung_counts} if self.rungs else {}),
-        }
 
 
 def write(
@@ -289,7 +189,7 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
         d = json.loads(raw.decode("utf-8"))  # bytes would also be read as UTF-16/32 or with a BOM
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError("container header is not valid JSON; the blob is corrupt") from None
-    header = _parse_header(d)
+    header = parse_header(d)
     if header.tiers and version != 3:
         raise FormatError(f"container version {version} with token-adaptive tiers (only version 3 has them); corrupt")
     if not header.tiers and version == 3:
@@ -388,115 +288,3 @@ def read_sections(
         if s.name not in out:
             out[s.name] = decode_stream(bytes(chunks[i]), s.backend, s.raw, (hints or {}).get(s.name))
     return {s.name: out[s.name] for s in header.sections}
-
-
-def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
-    if key not in d:
-        raise FormatError(f"container header lacks {key!r}")
-    v = d[key]
-    if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
-        raise FormatError(f"container header field {key!r} has the wrong type")
-    return v
-
-
-def _parse_header(d: Any) -> Header:
-    if not isinstance(d, dict):
-        raise FormatError("container header must be a JSON object")
-    mode = _req(d, "mode", str)
-    if mode not in MODES:
-        raise FormatError(f"unknown codec mode {mode!r}")
-    cal = d.get("calibration")
-    if mode == "kvtc" and not (isinstance(cal, str) and 0 < len(cal) <= 128):
-        raise FormatError("kvtc blob without a calibration hash")
-    if mode == "identity" and cal is not None:
-        raise FormatError("identity blob must not name a calibration")
-    layout_d = _req(d, "layout", dict)
-    nkv = layout_d.get("num_kv_heads")
-    if isinstance(nkv, int) and nkv > MAX_KV_HEADS:  # an empty "heads" would make KVLayout build range(nkv)
-        raise FormatError("container layout declares too many KV heads")
-    try:
-        layout = KVLayout.from_dict(layout_d)
-    except LayoutError as e:
-        raise FormatError(f"container layout invalid: {e}") from None
-    batch, tokens = _req(d, "batch", int), _req(d, "tokens", int)
-    sinks, window = _req(d, "sinks", int), _req(d, "window", int)
-    if not (
-        0 <= batch <= MAX_BATCH and 0 <= tokens <= MAX_TOKENS and 0 <= sinks <= MAX_TOKENS and 0 <= window <= MAX_TOKENS
-    ):
-        raise FormatError("container token counts out of range")
-    if layout.num_features > 1 << 24:
-        raise FormatError("container layout too large")
-    ratio = d.get("ratio")
-    if ratio is not None and not (isinstance(ratio, str) and len(ratio) <= 32):
-        raise FormatError("container ratio field invalid")
-    packing = _req(d, "packing", str)
-    if packing not in PACKINGS:
-        raise FormatError(f"unknown packing {packing!r}")
-    model_id = _req(d, "model_id", str)
-    if len(model_id) > 4096:
-        raise FormatError("model id too long")
-    secs = _req(d, "sections", list)
-    if len(secs) > MAX_SECTIONS:
-        raise FormatError("too many sections")
-    # largest legitimate section: int64 positions or fp32 tokens, 2 bytes per fp16 param per feature
-    bound = 8 * max(batch * tokens, 1) * layout.num_features + 64
-    sections, seen, total_raw = [], set(), 0
-    for s in secs:
-        if not (isinstance(s, list) and len(s) == 5):
-            raise FormatError("malformed section entry")
-        name, backend, raw, coded, crc = s
-        if not (isinstance(name, str) and 0 < len(name) <= 64 and name not in seen):
-            raise FormatError("malformed or duplicate section name")
-        if not (isinstance(backend, str) and 0 < len(backend) <= 32):
-            raise FormatError("malformed section backend")
-        for v in (raw, coded, crc):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise FormatError(f"section {name}: sizes and checksum must be non-negative integers")
-        if raw > bound or crc > 0xFFFFFFFF or coded > MAX_TOTAL_RAW_BYTES:
-            raise FormatError(f"section {name}: declared size out of range for {batch}x{tokens} tokens")
-        total_raw += raw
-        seen.add(name)
-        sections.append(Section(name, backend, raw, coded, crc))
-    if total_raw > min(2 * bound, MAX_TOTAL_RAW_BYTES):
-        raise FormatError("sections declare more bytes than the slice can hold")
-    tiers = d.get("tiers")
-    if tiers is not None:
-        ok = isinstance(tiers, list) and len(tiers) == 3 and mode == "kvtc"
-        ok = ok and all(isinstance(t, str) and 0 < len(t) <= 32 for t in tiers[:2])
-        ok = ok and isinstance(tiers[2], float) and 0.0 < tiers[2] < 1.0
-        if not ok:
-            raise FormatError("container tiers field invalid; the blob is corrupt")
-        tiers = (tiers[0], tiers[1], tiers[2])
-    rungs, counts = _parse_ladder(d, mode, batch * tokens)
-    if tiers is not None and rungs is not None:
-        raise FormatError("container has both tiers and a rate ladder; the blob is corrupt")
-    header = Header(
-        mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections, tiers, rungs, counts
-    )
-    if mode == "identity" and header.middle_tokens:
-        raise FormatError("identity blob must store every token raw (sinks + window < tokens); the blob is corrupt")
-    if batch == 0 and header.middle_tokens:
-        raise FormatError("empty batch with coded middle tokens; the blob is corrupt")
-    return header
-
-
-def _parse_ladder(
-    d: dict[str, Any], mode: str, max_count: int
-) -> tuple[tuple[str, ...] | None, dict[str, list[list[int]]] | None]:
-    """The header's ``rungs`` and ``rung_counts``, checked for shape and range (their sums against the layout are
-    checked by the codec, which knows the PCA groups)."""
-    rungs, counts = d.get("rungs"), d.get("rung_counts")
-    if rungs is None and counts is None:
-        return None, None
-    ok = mode == "kvtc" and isinstance(rungs, list) and 2 <= len(rungs) <= MAX_RUNGS
-    ok = ok and all(isinstance(r, str) and 0 < len(r) <= 32 for r in rungs) and len(set(rungs)) == len(rungs)
-    ok = ok and isinstance(counts, dict) and sorted(counts) == ["keys", "values"]
-    if ok:
-        for per_group in counts.values():
-            ok = ok and isinstance(per_group, list) and 0 < len(per_group) <= MAX_GROUPS
-            for c in per_group if ok else ():
-                ok = ok and isinstance(c, list) and len(c) == len(rungs)
-                ok = ok and all(type(n) is int and 0 <= n <= max_count for n in c)
-    if not ok:
-        raise FormatError("container rate ladder (rungs, rung_counts) invalid; the blob is corrupt")
-    return tuple(rungs), {k: [list(c) for c in v] for k, v in counts.items()}

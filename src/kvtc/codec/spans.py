@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..layout import DTYPES, PCAGrouping
-from .container import Header
+from .header import Header
 
 
 def _layers(t: torch.Tensor, indices: tuple[int, ...], every: int) -> torch.Tensor:
