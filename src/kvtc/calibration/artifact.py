@@ -41,14 +41,20 @@ from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
 from .digest import content_hash, decoding_hash
-from .meta import FORMAT_VERSION, READ_VERSIONS, needed_version, parse_json, saved_version, validate_meta
+from .meta import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_META_BYTES,
+    needed_version,
+    parse_json,
+    read_meta,
+    saved_version,
+    tensor_names,
+)
 from .pca import PCAResult
 from .plan import Plan
 
-FORMAT_NAME = "kvtc-calibration"
 KINDS = ("keys", "values")
-#: bound on the JSON metadata we are willing to parse
-MAX_META_BYTES = 64 << 20
 
 
 def ratio_key(ratio: float) -> str:
@@ -324,8 +330,8 @@ class Calibration:
                     raise CalibrationError(f"{path} is a safetensors file but not a kvtc calibration")
                 if len(meta_raw) > MAX_META_BYTES:
                     raise CalibrationError(f"{path}: calibration metadata too large")
-                meta = _parse_meta(meta_raw, path)
-                expected = _expected_tensor_names(meta)
+                meta = read_meta(meta_raw, path)
+                expected = tensor_names(meta)
                 names = set(f.keys())
                 if names != expected:
                     raise CalibrationError(
@@ -355,12 +361,12 @@ class Calibration:
             meta_raw = header["__metadata__"]["kvtc"]
         except (KeyError, TypeError):
             raise CalibrationError("not a kvtc calibration (no kvtc metadata)") from None
-        meta = _parse_meta(meta_raw, "<bytes>")
+        meta = read_meta(meta_raw, "<bytes>")
         try:
             tensors = load(data)
         except Exception as e:  # safetensors raises several types for garbage input
             raise CalibrationError(f"not a calibration: {e}") from None
-        if set(tensors) != _expected_tensor_names(meta):
+        if set(tensors) != tensor_names(meta):
             raise CalibrationError("calibration tensors do not match its metadata")
         return cls.from_parts(meta, tensors, source="<bytes>")
 
@@ -477,34 +483,3 @@ def _remap(full: KVLayout, part: KVLayout, cols: torch.Tensor) -> list[int]:
 
 def _short(layers: tuple[int, ...]) -> str:
     return str(list(layers)) if len(layers) <= 6 else f"[{layers[0]}..{layers[-1]}] ({len(layers)})"
-
-
-def _parse_meta(raw: str, source: Any) -> dict[str, Any]:
-    meta = parse_json(raw, source)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CalibrationError(f"{source} is not a kvtc calibration")
-    validate_meta(meta, source, READ_VERSIONS)
-    scaled = any(isinstance(i, dict) and i.get("scaled") for k in KINDS for i in (meta.get("pca") or {}).get(k, []))
-    if scaled and meta.get("version") < 2:
-        raise CalibrationError(f"{source}: feature scales in a version-1 calibration; the file is corrupt")
-    return meta
-
-
-def _expected_tensor_names(meta: dict[str, Any]) -> set[str]:
-    try:
-        names = {
-            f"{kind}.{g}.{part}"
-            for kind in KINDS
-            for g in range(len(meta["pca"][kind]))
-            for part in ("mean", "basis", "eigenvalues")
-        }
-        names |= {
-            f"{kind}.{g}.scale" for kind in KINDS for g, info in enumerate(meta["pca"][kind]) if info.get("scaled")
-        }
-        if meta.get("queries") is not None:
-            names |= {"queries", "queries.scale"}
-            if meta["queries"].get("map"):
-                names.add("queries.map")
-        return names
-    except (KeyError, TypeError, AttributeError):
-        raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None

@@ -49,6 +49,9 @@ _TOP = {
     "queries",
 }
 _KINDS = ("keys", "values")
+FORMAT_NAME = "kvtc-calibration"
+#: bound on the JSON metadata we are willing to parse
+MAX_META_BYTES = 64 << 20
 
 
 #: Calibration file versions. 1: unweighted; 2: some PCA group carries a feature scale (a version-1 reader must
@@ -343,3 +346,36 @@ def _plan(p: Any, width: int, what: str) -> int:
         if not 0 < _number(c, f"{what} clip") < 3.4e38:
             raise CalibrationError(f"{what}: clips and steps must be positive floats; the file is corrupt")
     return len(segs)
+
+
+def read_meta(raw: str, source: Any) -> dict[str, Any]:
+    """A calibration file's ``kvtc`` metadata, parsed and validated (:func:`validate_meta`) before any tensor is read."""
+    meta = parse_json(raw, source)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise CalibrationError(f"{source} is not a kvtc calibration")
+    validate_meta(meta, source, READ_VERSIONS)
+    scaled = any(isinstance(i, dict) and i.get("scaled") for k in _KINDS for i in (meta.get("pca") or {}).get(k, []))
+    if scaled and meta.get("version") < 2:
+        raise CalibrationError(f"{source}: feature scales in a version-1 calibration; the file is corrupt")
+    return meta
+
+
+def tensor_names(meta: dict[str, Any]) -> set[str]:
+    """The tensor names a file of this (validated) metadata must hold, no more and no fewer."""
+    try:
+        names = {
+            f"{kind}.{g}.{part}"
+            for kind in _KINDS
+            for g in range(len(meta["pca"][kind]))
+            for part in ("mean", "basis", "eigenvalues")
+        }
+        names |= {
+            f"{kind}.{g}.scale" for kind in _KINDS for g, info in enumerate(meta["pca"][kind]) if info.get("scaled")
+        }
+        if meta.get("queries") is not None:
+            names |= {"queries", "queries.scale"}
+            if meta["queries"].get("map"):
+                names.add("queries.map")
+        return names
+    except (KeyError, TypeError, AttributeError):
+        raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None
