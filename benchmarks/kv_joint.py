@@ -139,8 +139,12 @@ def entropy_bits(sym: torch.Tensor) -> float:
     return float(-(cnt * torch.log2((cnt / n).clamp_min(1e-300))).sum())
 
 
-def code(kv: KVSlice, groups: dict[str, dict], mode: str, step: float) -> tuple[KVSlice, float]:
-    """The slice with its middle tokens quantized at ``step`` in ``mode``'s basis, and the ratio to bf16."""
+def code(
+    kv: KVSlice, groups: dict[str, dict], mode: str, step: float, weights: torch.Tensor | None = None
+) -> tuple[KVSlice, float]:
+    """The slice with its middle tokens quantized at ``step`` in ``mode``'s basis, and the ratio to bf16; with
+    ``weights`` ``[L, T]`` (the ladder's weight of each token's error in each layer), each token's step is ``step``
+    over the square root of its weight averaged over the group's layers (one price for the blob)."""
     T = kv.keys.shape[1]
     keys, vals = kv.keys.clone(), kv.values.clone()
     bits = ref = 0.0
@@ -151,29 +155,45 @@ def code(kv: KVSlice, groups: dict[str, dict], mode: str, step: float) -> tuple[
         k = (kv.keys[0, lo:hi, lay].reshape(n, -1).float() - g["mk"]) / g["sk"]
         v = (kv.values[0, lo:hi, lay].reshape(n, -1).float() - g["mv"]) / g["sv"]
         ref += 2 * k.numel() * 16
+        st: float | torch.Tensor = step
+        if weights is not None:
+            st = step / weights[lay, lo:hi].mean(0).clamp_min(1e-8).sqrt()[:, None]
         if mode == "joint":
-            s = torch.round(torch.cat([k, v], 1) @ g["u_j"] / step)
+            s = torch.round(torch.cat([k, v], 1) @ g["u_j"] / st)
             bits += entropy_bits(s.long())
-            y = (s * step) @ g["u_j"].T
+            y = (s * st) @ g["u_j"].T
             kh, vh = y[:, : k.shape[1]], y[:, k.shape[1] :]
         else:
-            sk_, sv_ = torch.round(k @ g["u_k"] / step), torch.round(v @ g["u_v"] / step)
+            sk_, sv_ = torch.round(k @ g["u_k"] / st), torch.round(v @ g["u_v"] / st)
             bits += entropy_bits(sk_.long()) + entropy_bits(sv_.long())
-            kh, vh = (sk_ * step) @ g["u_k"].T, (sv_ * step) @ g["u_v"].T
+            kh, vh = (sk_ * st) @ g["u_k"].T, (sv_ * st) @ g["u_v"].T
         keys[0, lo:hi, lay] = (kh * g["sk"] + g["mk"]).reshape(n, len(lay), *keys.shape[3:]).to(keys)
         vals[0, lo:hi, lay] = (vh * g["sv"] + g["mv"]).reshape(n, len(lay), *vals.shape[3:]).to(vals)
     return KVSlice(kv.layout, keys, vals, kv.positions, kv.model_id), ref / max(bits, 1.0)
 
 
-def at_ratio(kv: KVSlice, groups: dict, mode: str, ratio: float) -> tuple[KVSlice, float]:
+def at_ratio(kv: KVSlice, groups: dict, mode: str, ratio: float, weights: torch.Tensor | None = None):
     lo, hi = math.log(1e-3), math.log(50.0)
     for _ in range(16):
         mid = (lo + hi) / 2
-        if code(kv, groups, mode, math.exp(mid))[1] < ratio:
+        if code(kv, groups, mode, math.exp(mid), weights)[1] < ratio:
             lo = mid
         else:
             hi = mid
-    return code(kv, groups, mode, math.exp(hi))
+    return code(kv, groups, mode, math.exp(hi), weights)
+
+
+def ladder_weights(kv: KVSlice, cal: Any, rope: Any) -> torch.Tensor:
+    """``[L, T]``: the codec's weight of each token's error in each layer (the attention the newest positions'
+    predicted queries give it, over the layer's mean, squared; :mod:`kvtc.codec.tiers`), zero where a layer does not
+    hold the token."""
+    from kvtc.codec.attention import attention_mass
+    from kvtc.codec.tiers import LADDER_POWER
+
+    mass = attention_mass(kv.keys, kv.positions, kv.layout, cal.queries, cal.query_scales, rope, cal.query_map)[0]
+    held = mass > 0
+    mean = (mass.sum(1) / held.sum(1).clamp_min(1))[:, None]
+    return (mass / mean.clamp_min(1e-30)) ** LADDER_POWER
 
 
 def main(argv: list[str]) -> int:
@@ -183,10 +203,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--texts", default="wikipedia")
     ap.add_argument("--seed", type=int, default=23, help="held-out windows (kvtc eval reads seed 0)")
+    ap.add_argument(
+        "--weighted", action="store_true", help="each token's step from the codec's ladder weights (one price)"
+    )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     model, tok = assets.load_model(args.model, dtype=torch.float32)
     layout, rope = describe_model(model)
+    cal = None
+    if args.weighted:
+        from kvtc.calibration import load_calibration
+
+        cal = load_calibration("default", model=args.model, progress=False)
     k_fit, v_fit = collect(model, tok, layout, rope, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR),
                            args.fit_windows, 3)  # fmt: skip
     k_test, v_test = collect(model, tok, layout, rope, assets.corpus(args.texts), args.windows, args.seed)
@@ -208,9 +236,10 @@ def main(argv: list[str]) -> int:
         cache = _prefill(model, ctx)
         kv = extract_slice(cache, model)
         exact = _logp(model, cont, cache)
+        weights = None if cal is None else ladder_weights(kv, cal, rope)
         for mode in ("separate", "joint"):
             for r in RATIOS:
-                out, got = at_ratio(kv, groups, mode, r)
+                out, got = at_ratio(kv, groups, mode, r, weights)
                 lossy = _logp(model, cont, rebuild_cache(out, model))
                 key = f"{mode} {r}x"
                 kl.setdefault(key, []).append(float((exact.exp() * (exact - lossy)).sum(-1).mean()))
@@ -225,13 +254,15 @@ def main(argv: list[str]) -> int:
         "windows": args.windows,
         "seed": args.seed,
         "fit_windows": args.fit_windows,
+        "weighted": args.weighted,
         "theory": theory,
         "kl": {key: sum(x) / len(x) for key, x in kl.items()},
         "kl_windows": kl,
         "ratio": {key: sum(x) / len(x) for key, x in stored.items()},
     }
-    _report.write_json(f"kv_joint_{args.model}", result)
-    _report.update_section(f"kv_joint_{args.model}", markdown(result))
+    name = f"kv_joint_{args.model}" + ("_weighted" if args.weighted else "")
+    _report.write_json(name, result)
+    _report.update_section(name, markdown(result))
     print(markdown(result))
     return 0
 
@@ -239,7 +270,8 @@ def main(argv: list[str]) -> int:
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = [
-        f"### One PCA over keys and values ({res['model']}): headroom outside the codec",
+        f"### One PCA over keys and values ({res['model']}): headroom outside the codec"
+        + (", tokens weighted as the ladder weighs them" if res.get("weighted") else ""),
         "",
         f"`{res['command']}` — {m['date']} ({res['seconds'] / 60:.0f} min); {m['cpu']}, {m['cores']} cores, torch "
         f"{m['torch']}. Bases fitted on {res['fit_windows']} windows of 2,048 tokens of the pre-2000 speeches; "
@@ -257,7 +289,9 @@ def markdown(res: dict) -> str:
             )
     lines += [
         "",
-        "Next-token KL, one uniform quantizer step, empirical entropy (no ladder, no side information):",
+        "Next-token KL, one uniform quantizer step"
+        + (" over the square root of each token's ladder weight" if res.get("weighted") else "")
+        + ", empirical entropy (no rungs, no side information):",
         "",
         "| target | separate: ratio, KL | joint: ratio, KL | change |",
         "|---|---|---|---|",
