@@ -85,7 +85,7 @@ def _run(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None, cm
         timeout=900,
     )
     if p.returncode != 0:
-        raise AssertionError(f"engine run {name} failed:\n{p.stderr[-4000:]}")
+        raise AssertionError(f"engine run {name} failed (exit status {p.returncode}):\n{p.stderr[-4000:]}")
     return json.loads(out.read_text()), p.stderr
 
 

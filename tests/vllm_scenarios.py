@@ -469,6 +469,24 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(res, f)
     print(f"wrote {args.out}", file=sys.stderr)
+    _exit_after_children()
+
+
+def _exit_after_children() -> None:
+    """End this process once the engine's processes have ended, without the interpreter's teardown.
+
+    The engine was stopped while the interpreter was whole (``run``), yet now and then the vLLM client's
+    ZeroMQ and torch threads still abort the process at interpreter exit ("terminate called without an active
+    exception"), after the result is written. Waiting for every child (the engine core, its workers and the
+    connector's codec process: a storing run's entries are complete once they have ended) and leaving with
+    ``os._exit`` keeps that race out of the exit status, which callers read as "the scenario ran"."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.join(timeout=300)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
