@@ -241,6 +241,32 @@ def test_unsupported_models_are_refused_clearly():
         describe_model("meta-llama/Llama-3.1-8B")
 
 
+def test_layers_that_rotate_otherwise_than_the_config_says_are_refused(monkeypatch):
+    """Cohere 2 rotates only in its sliding layers, a rule of its attention code, not of its config: without that
+    rule kvtc would read layer 3 as rotated; the check on the loaded model (one token at two positions) refuses it."""
+    import kvtc.integrations.hf.rope_probe as rope_probe
+
+    monkeypatch.delitem(rope_probe.ROPE_ONLY_IN_SLIDING_LAYERS, "cohere2")
+    model = build("cohere2")
+    with pytest.raises(UnsupportedModel, match=r"layers \[3\] of Cohere2ForCausalLM rotate their keys otherwise"):
+        describe_model(model)
+    monkeypatch.undo()
+    _, spec = describe_model(build("cohere2"))  # with the rule: layer 3 unrotated, and the model agrees
+    assert spec.layer_kinds == ("shared", "shared", "shared", None)
+
+
+@pytest.mark.parametrize("name", ["cohere2", "exaone4"])
+def test_without_a_sliding_window_the_rope_rule_follows_the_attention_code(name):
+    """Cohere 2 without a sliding window rotates no layer, EXAONE 4 every layer; the model's own check agrees."""
+    config = TINY[name].build_config().to_dict()
+    config.update(sliding_window=None, layer_types=["full_attention"] * 4)
+    config = type(TINY[name].build_config())(**{k: v for k, v in config.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _, spec = describe_model(model)
+    assert spec.layer_kinds == ((None,) * 4 if name == "cohere2" else ("shared",) * 4)
+
+
 def test_the_adapter_is_read_once_per_model():
     """Describing, compressing, restoring, extracting and rebuilding all share one adapter: the rotary embedding
     is built and probed once per model, however many calls follow."""

@@ -33,11 +33,11 @@ def specs(models) -> dict[str, RopeSpec]:
     return {name: rope_spec_from_config(m.config) for name, m in models.items()}
 
 
-def model_rotation(model, layer: int, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def model_rotation(model, layer: int, keys: torch.Tensor, positions: torch.Tensor, nope=()) -> torch.Tensor:
     """The model's own rotation of ``keys`` ``[batch, heads, tokens, head_dim]``: its rotary embedding's cos / sin
     and its modeling module's ``apply_rotary_pos_emb`` (identity on a layer that skips RoPE)."""
     attn = model.model.layers[layer].self_attn
-    if not getattr(attn, "use_rope", True):
+    if layer in nope:
         return keys
     rotary = model.model.rotary_emb
     if isinstance(rotary.rope_type, dict):
@@ -69,7 +69,7 @@ def test_apply_and_invert_match_the_models_rotation(name, models, specs):
     for layer in TINY[name].kv_layers:
         for positions in position_sets(name):
             pre = torch.randn(2, cfg.num_key_value_heads, positions.shape[1], spec.head_dim)
-            want = model_rotation(model, layer, pre, positions)
+            want = model_rotation(model, layer, pre, positions, TINY[name].nope_layers)
             got = spec.apply(to_slice(pre), positions, [layer])
             assert rel_err(got, to_slice(want)) <= TOL, (name, layer)
             back = spec.invert(to_slice(want), positions, [layer])
@@ -99,7 +99,7 @@ def test_spec_turns_captured_pre_rope_keys_into_the_cache_keys(name, models, spe
     nope = [i for i in TINY[name].kv_layers if spec.layer_kinds[i] is None]
     for layer in nope:
         assert torch.equal(cache.layers[layer].keys.transpose(1, 2), captured[layer])
-    assert bool(nope) == (name == "smollm3")
+    assert tuple(nope) == TINY[name].nope_layers
 
 
 def test_cos_sin_are_the_models_for_a_half_split_model_with_scaling(models, specs):
@@ -177,10 +177,10 @@ def test_spec_serialises_canonically(specs):
         d = json.loads(json.dumps(spec.to_dict()))
         again = RopeSpec.from_dict(d)
         assert again == spec and again.fingerprint() == spec.fingerprint(), name
-    # Equal specs mean equal rotations: Qwen2 and Qwen3 share theta 1e6 and head_dim; every other variant differs.
-    assert specs["qwen2"] == specs["qwen3"]
-    prints = {s.fingerprint() for n, s in specs.items() if n != "qwen3"}
-    assert len(prints) == len(specs) - 1
+    # Equal specs mean equal rotations: Qwen2, Qwen3 and Mistral share theta 1e6 and head_dim; the others differ.
+    assert specs["qwen2"] == specs["qwen3"] == specs["mistral_sliding"]
+    prints = {s.fingerprint() for n, s in specs.items() if n not in ("qwen3", "mistral_sliding")}
+    assert len(prints) == len(specs) - 2
 
 
 def test_rebuilding_from_the_same_config_gives_an_equal_spec(models, specs):

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Cohere2Config,
+    Exaone4Config,
     Gemma3TextConfig,
     GlmConfig,
+    GptOssConfig,
     LlamaConfig,
+    MistralConfig,
     Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
@@ -152,6 +156,47 @@ def smollm3() -> PreTrainedConfig:
     return SmolLM3Config(**COMMON, num_hidden_layers=4, no_rope_layer_interval=2)  # layers 1 and 3 use no RoPE
 
 
+def mistral_sliding() -> PreTrainedConfig:
+    """Every layer a sliding-window layer (Mistral 7B v0.1)."""
+    return MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=16)
+
+
+def gpt_oss() -> PreTrainedConfig:
+    """Sliding and full layers alternating, yarn RoPE, learned attention sinks, a mixture of experts."""
+    return GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+
+
+def cohere2() -> PreTrainedConfig:
+    """Sliding layers with (interleaved) RoPE, the full-attention layer without: a rule of its attention code."""
+    return Cohere2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    )
+
+
+def exaone4() -> PreTrainedConfig:
+    """EXAONE 4: QK-norm, sliding layers with RoPE, full-attention layers (1 and 3) without."""
+    return Exaone4Config(**COMMON, num_hidden_layers=4, sliding_window=16, sliding_window_pattern=2)
+
+
 def qwen3_next() -> PreTrainedConfig:
     """Hybrid: gated-delta-net linear attention on layers 0-2 and 4-6, full attention (partial rotary) on 3 and 7."""
     return Qwen3NextConfig(
@@ -175,6 +220,8 @@ class TinySpec:
     kv_layers: tuple[int, ...]
     #: positions the model's rotation may be compared at (dynamic rope is only exact below its limit).
     max_position: int = 131072
+    #: the layers whose attention applies no RoPE
+    nope_layers: tuple[int, ...] = ()
 
 
 TINY: dict[str, TinySpec] = {
@@ -188,7 +235,11 @@ TINY: dict[str, TinySpec] = {
     "phi3_longrope": TinySpec(phi3_longrope, (0, 1)),
     "stablelm": TinySpec(stablelm, (0, 1)),
     "glm": TinySpec(glm, (0, 1)),
-    "smollm3": TinySpec(smollm3, (0, 1, 2, 3)),
+    "smollm3": TinySpec(smollm3, (0, 1, 2, 3), nope_layers=(1, 3)),
+    "mistral_sliding": TinySpec(mistral_sliding, (0, 1)),
+    "gpt_oss": TinySpec(gpt_oss, (0, 1, 2, 3)),
+    "cohere2": TinySpec(cohere2, (0, 1, 2, 3), nope_layers=(3,)),
+    "exaone4": TinySpec(exaone4, (0, 1, 2, 3), nope_layers=(1, 3)),
     "qwen3_next": TinySpec(qwen3_next, (3, 7)),
 }
 

@@ -198,7 +198,27 @@ def _layer_kinds(text: Any, kinds: tuple[RopeKind, ...], n_layers: int) -> tuple
         if len(use_rope) < n_layers:
             raise UnsupportedModel(f"no_rope_layers has {len(use_rope)} entries for {n_layers} layers")
         out = [k if use_rope[i] else None for i, k in enumerate(out)]
+    rule = ROPE_ONLY_IN_SLIDING_LAYERS.get(getattr(text, "model_type", ""))
+    if rule is not None:
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
+        windowed = getattr(text, "sliding_window", None) is not None
+        for i in range(n_layers):
+            sliding = windowed and layer_types[i] == "sliding_attention"
+            if not (sliding or (rule == "unless-windowed" and not windowed)):
+                out[i] = None
     return tuple(out)
+
+
+#: Models whose attention rotates only in its sliding-window layers (the full-attention ones use no position
+#: encoding), a rule of their attention code that no config field states, by the text config's ``model_type``:
+#: ``"sliding-only"`` (Cohere 2: no sliding window, no RoPE anywhere), ``"unless-windowed"`` (EXAONE 4: every layer
+#: rotates in a config without a sliding window). The adapter's check on a loaded model
+#: (:func:`kvtc.integrations.hf.adapter.check_rotation`) refuses any other model whose layers disagree with its spec.
+ROPE_ONLY_IN_SLIDING_LAYERS: dict[str, str] = {
+    "cohere2": "sliding-only",
+    "exaone4": "unless-windowed",
+    "exaone_moe": "unless-windowed",
+}
 
 
 def _probe(rotary: torch.nn.Module, candidates: list[RopeSpec]) -> RopeSpec:
