@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     result = {
         "machine": _report.machine(),
         "command": _report.command(),
-        "calibration": cal.fingerprint(),
+        "calibration": cal.fingerprint,
         "seconds": time.perf_counter() - t0,
         "kl": {key: sum(x) / len(x) for key, x in kl.items()},
         "kl_windows": kl,

@@ -347,9 +347,6 @@ class Decoding:
         esize = torch.empty((), dtype=dt).element_size()
         flat = {k: section_tensor(secs[f"raw.{k}"], dt, (spans.raw_bytes(header) // esize,), out_dev) for k in KINDS}
         blocks = {k: spans.raw_blocks(flat[k], header) for k in KINDS}
-        if len(header.spans) == 1:  # the one raw block, shaped
-            s, w = header.spans[0][2:4]
-            blocks = {k: [flat[k].view(B, s + w, len(lay.layers), *hd)] for k in KINDS}
         span_index = {sp: i for i, (sp, *_) in enumerate(header.spans)}
         coeffs: dict[str, list[tuple[torch.Tensor, int] | None]] = {}
         col_index: list[dict[int, int]] = []

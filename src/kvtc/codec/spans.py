@@ -50,13 +50,11 @@ def raw_bytes(header: Header) -> int:
 
 
 def raw_blocks(flat: torch.Tensor, header: Header) -> list[torch.Tensor]:
-    """A decoded raw section (``[B, s+w, L, H, D]`` or flat) -> one ``[B, s+w, span layers, H, D]`` per span."""
+    """A decoded raw section (flat) -> one ``[B, s+w, span layers, H, D]`` per span (one span: every layer, as a model
+    whose layers are all sliding-window layers holds them)."""
     lay = header.layout
-    spans = header.spans
-    if len(spans) == 1:
-        return [flat]
     out, off = [], 0
-    for sp, _, s, w, _ in spans:
+    for sp, _, s, w, _ in header.spans:
         shape = (header.batch, s + w, len(sp.indices), len(lay.heads), lay.head_dim)
         n = header.batch * (s + w) * len(sp.indices) * len(lay.heads) * lay.head_dim
         out.append(flat[off : off + n].view(shape))
