@@ -163,33 +163,14 @@ def mistral_sliding() -> PreTrainedConfig:
 
 def gpt_oss() -> PreTrainedConfig:
     """Sliding and full layers alternating, yarn RoPE, learned attention sinks, a mixture of experts."""
-    return GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-    )
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    return GptOssConfig(**COMMON, num_hidden_layers=4, sliding_window=16, layer_types=layer_types, num_local_experts=4)
 
 
 def cohere2() -> PreTrainedConfig:
     """Sliding layers with (interleaved) RoPE, the full-attention layer without: a rule of its attention code."""
-    return Cohere2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=16,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-    )
+    layer_types = ["sliding_attention"] * 3 + ["full_attention"]
+    return Cohere2Config(**COMMON, num_hidden_layers=4, sliding_window=16, layer_types=layer_types)
 
 
 def exaone4() -> PreTrainedConfig:
