@@ -213,7 +213,7 @@ def _layer_kinds(text: Any, kinds: tuple[RopeKind, ...], n_layers: int) -> tuple
 #: encoding), a rule of their attention code that no config field states, by the text config's ``model_type``:
 #: ``"sliding-only"`` (Cohere 2: no sliding window, no RoPE anywhere), ``"unless-windowed"`` (EXAONE 4: every layer
 #: rotates in a config without a sliding window). The adapter's check on a loaded model
-#: (:func:`kvtc.integrations.hf.adapter.check_rotation`) refuses any other model whose layers disagree with its spec.
+#: (:func:`kvtc.integrations.hf.rotation.check_rotation`) refuses any other model whose layers disagree with its spec.
 ROPE_ONLY_IN_SLIDING_LAYERS: dict[str, str] = {
     "cohere2": "sliding-only",
     "exaone4": "unless-windowed",
