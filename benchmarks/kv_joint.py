@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+import _heldout
 import _report
 from kvtc import assets
 from kvtc.eval.protocols import _logp, _prefill
@@ -103,17 +104,6 @@ def fit(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def water_rates(lam: torch.Tensor, bits: float) -> torch.Tensor:
-    lo, hi = 1e-14, float(lam.max())
-    for _ in range(200):
-        theta = math.sqrt(lo * hi)
-        if float((0.5 * torch.log2(lam / theta)).clamp_min(0).sum()) > bits:
-            lo = theta
-        else:
-            hi = theta
-    return (0.5 * torch.log2(lam / hi)).clamp_min(0)
-
-
 def gaussian(g: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor, ratio: float) -> dict[str, float]:
     """Relative distortion of held-out rows, separate and joint bases, at ``ratio`` (theory)."""
     kn = (k.float() - g["mk"]) / g["sk"]
@@ -122,10 +112,10 @@ def gaussian(g: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor, ratio
     bits = 2 * kn.shape[1] * 16 / ratio
     out = {}
     sep_var = torch.cat([(kn @ g["u_k"]).square().mean(0), (vn @ g["u_v"]).square().mean(0)])
-    r = water_rates(torch.cat([g["lam_k"], g["lam_v"]]), bits)
+    r = _heldout.water_rates(torch.cat([g["lam_k"], g["lam_v"]]), bits)
     out["separate"] = float((sep_var * torch.pow(2.0, -2 * r)).sum()) / energy
     joint_var = (torch.cat([kn, vn], 1) @ g["u_j"]).square().mean(0)
-    r = water_rates(g["lam_j"], bits)
+    r = _heldout.water_rates(g["lam_j"], bits)
     out["joint"] = float((joint_var * torch.pow(2.0, -2 * r)).sum()) / energy
     return out
 

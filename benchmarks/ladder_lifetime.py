@@ -24,14 +24,9 @@ from typing import Any
 
 import torch
 
-import _report
+import _heldout
 import kvtc.codec.ladder as ladder
 import kvtc.codec.tiers as tiers
-from kvtc import assets
-from kvtc.calibration import load_calibration
-from kvtc.codec import Codec
-from kvtc.eval.protocols import _logp
-from kvtc.integrations.hf import extract_slice, rebuild_cache
 
 
 def lifetime(T: int, start: int, m: int, limit: int, horizon: str) -> torch.Tensor:
@@ -80,44 +75,12 @@ def main(argv: list[str]) -> int:
             new = new * (w3.mean(1, keepdim=True) / new.mean(1, keepdim=True).clamp_min(1e-30))
         return new.reshape(w.shape).float()
 
-    ladder.errors, tiers.ladder_weights = errors, weights
-    model, tok = assets.load_model(args.model, dtype=torch.float32)
-    cal = load_calibration("default", model=args.model, progress=False)
-    kl: dict[str, list[float]] = {}
-    sets = (("wikipedia", 23, args.windows), ("sotu-2000on", 11, max(1, args.windows * 2 // 3)))
-    try:
-        from transformers import DynamicCache
+    def select(v: str) -> str:
+        state["variant"] = v
+        return v
 
-        for text, seed, n in sets:
-            for ids in assets.token_windows(tok, assets.corpus(text), 2048 + 256 + 1, n, seed=seed):
-                ctx, cont = ids[:2048], ids[2048:-1]
-                cache = DynamicCache(config=model.config)
-                with torch.inference_mode():
-                    model(input_ids=ctx[None], past_key_values=cache, use_cache=True)
-                kv = extract_slice(cache, model)
-                exact = _logp(model, cont, cache)
-                for v in variants:
-                    state["variant"] = v
-                    for r in ratios:
-                        codec = Codec(cal, r, sinks=4, window=128)
-                        blob = codec.encode(kv)
-                        lossy = _logp(model, cont, rebuild_cache(codec.decode(blob), model))
-                        key = f"{text} {v} {r:g}x"
-                        kl.setdefault(key, []).append(float((exact.exp() * (exact - lossy)).sum(-1).mean()))
-                        print(key, f"{kl[key][-1]:.5f}", flush=True)
-    finally:
-        ladder.errors, tiers.ladder_weights = original_errors, original_weights
-    result = {
-        "machine": _report.machine(),
-        "command": _report.command(),
-        "calibration": cal.fingerprint,
-        "seconds": time.perf_counter() - t0,
-        "kl": {key: sum(x) / len(x) for key, x in kl.items()},
-        "kl_windows": kl,
-    }
-    _report.write_json(args.name, result)
-    for key, val in result["kl"].items():
-        print(f"{key}: {val:.5f}")
+    kls, cal = _heldout.ladder_sweep(args.model, args.windows, variants, ratios, select, errors, weights)
+    _heldout.write(args.name, t0, kls, calibration=cal.fingerprint)
     return 0
 
 

@@ -28,24 +28,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
 from typing import Any
 
 import torch
 
-import _report
+import _heldout
 from kvtc import assets
 from kvtc.calibration import load_calibration
 from kvtc.codec import Codec
 from kvtc.codec.codec import Codec as _Codec
 from kvtc.eval.methods import reference_bytes
-from kvtc.eval.protocols import _logp
-from kvtc.integrations.hf import extract_slice, rebuild_cache
+from kvtc.integrations.hf import extract_slice
 from kvtc.layout import KVSlice
-
-CONTEXT, CONT = 2048, 256
 
 
 def features(emb: torch.Tensor, ids: torch.Tensor, lags: int) -> torch.Tensor:
@@ -79,27 +75,33 @@ class Predictor:
         return self.design(x) @ self.w[kind]
 
 
-def water(ev: torch.Tensor, bits: float) -> float:
-    """The water level of reverse water-filling over variances ``ev`` at ``bits``."""
-    lo, hi = 1e-14, float(ev.max())
-    for _ in range(200):
-        th = math.sqrt(lo * hi)
-        if float((0.5 * torch.log2(ev / th)).clamp_min(0).sum()) > bits:
-            lo = th
-        else:
-            hi = th
-    return th
-
-
 def distortion(fit: torch.Tensor, test: torch.Tensor, bits: float) -> float:
-    """Held-out distortion per row: basis and water level from ``fit``, each component's share of ``test``'s
-    variance kept as reverse water-filling keeps the fitting rows'."""
+    """Held-out distortion per row: basis and bits from ``fit`` (reverse water-filling), each component's share of
+    ``test``'s variance kept as the fitting rows' is."""
     m = fit.mean(0)
     ev, u = torch.linalg.eigh(((fit - m).T @ (fit - m)) / fit.shape[0])
-    ev = ev.clamp_min(1e-14)
-    th = water(ev, bits)
+    rates = _heldout.water_rates(ev.clamp_min(1e-14), bits)
     var = ((test - m) @ u).square().mean(0)
-    return float((torch.minimum(ev, torch.tensor(th, dtype=ev.dtype)) / ev * var).sum())
+    return float((torch.exp2(-2 * rates) * var).sum())
+
+
+def rows(
+    model: Any, emb: torch.Tensor, windows: torch.Tensor, lags: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token features and flattened K / V of every token of ``windows`` past the first 8 (a config-less cache:
+    every layer keeps every token)."""
+    from transformers import DynamicCache
+
+    xs, ys = [], {"keys": [], "values": []}
+    for ids in windows:
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+        kv = extract_slice(cache, model, every_token=True)
+        xs.append(features(emb, ids, lags)[8:])
+        ys["keys"].append(kv.keys[0, 8:].double().flatten(1))
+        ys["values"].append(kv.values[0, 8:].double().flatten(1))
+    return torch.cat(xs), {k: torch.cat(v) for k, v in ys.items()}
 
 
 def main(argv: list[str]) -> int:
@@ -118,26 +120,14 @@ def main(argv: list[str]) -> int:
     )
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    from transformers import DynamicCache
 
     model, tok = assets.load_model(args.model, dtype=torch.float32)
     emb = model.get_input_embeddings().weight.detach().float()
     cal = load_calibration("default", model=args.model, progress=False)
 
     # -------------------------------------------------------------- fit the map on the calibration corpus
-    xs, ys = [], {"keys": [], "values": []}
-    for ids in assets.token_windows(
-        tok, assets.corpus(cal.corpus.get("name", "sotu-pre2000")), 2048, args.fit_windows, seed=5
-    ):
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(input_ids=ids[None], past_key_values=cache, use_cache=True)
-        kv = extract_slice(cache, model, every_token=True)
-        xs.append(features(emb, ids, args.lags)[8:])
-        ys["keys"].append(kv.keys[0, 8:].double().flatten(1))
-        ys["values"].append(kv.values[0, 8:].double().flatten(1))
-    x = torch.cat(xs)
-    y = {k: torch.cat(v) for k, v in ys.items()}
+    corpus = assets.corpus(cal.corpus.get("name", "sotu-pre2000"))
+    x, y = rows(model, emb, assets.token_windows(tok, corpus, 2048, args.fit_windows, seed=5), args.lags)
     pred = Predictor(x, y)
     print(f"fitted on {x.shape[0]} rows ({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -148,19 +138,9 @@ def main(argv: list[str]) -> int:
         "sliding": [i for i in range(len(lay.layers)) if lay.limit(i)],
     }
     theory: dict[str, Any] = {}
-    heldout = assets.token_windows(tok, assets.corpus("wikipedia"), 2048, 3, seed=23)
-    tx, ty = [], {"keys": [], "values": []}
-    for ids in heldout:
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(input_ids=ids[None], past_key_values=cache, use_cache=True)
-        kv = extract_slice(cache, model, every_token=True)
-        tx.append(features(emb, ids, args.lags)[8:])
-        ty["keys"].append(kv.keys[0, 8:].double().flatten(1))
-        ty["values"].append(kv.values[0, 8:].double().flatten(1))
-    tx_ = torch.cat(tx)
+    tx_, ty = rows(model, emb, assets.token_windows(tok, assets.corpus("wikipedia"), 2048, 3, seed=23), args.lags)
     for kind in ("keys", "values"):
-        yt = torch.cat(ty[kind])
+        yt = ty[kind]
         rf, rt = y[kind] - pred(x, kind), yt - pred(tx_, kind)
         for name, layers in kinds_of_layer.items():
             if not layers:
@@ -224,72 +204,48 @@ def main(argv: list[str]) -> int:
     def mass(self: _Codec, kv: KVSlice) -> torch.Tensor:
         return original_mass(self, state.get("exact", kv))
 
-    _Codec._attention_mass = mass  # type: ignore[method-assign]
-    runs: dict[str, dict[str, list[float]]] = {}
-    sets = (("wikipedia", 23, args.windows), ("sotu-2000on", 11, max(1, args.windows * 2 // 3)))
-    sets = sets if args.windows > 0 else ()  # --windows 0: the theory alone
-    try:
-        for text, seed, n in sets:
-            for ids in assets.token_windows(tok, assets.corpus(text), CONTEXT + CONT + 1, n, seed=seed):
-                ctx, cont = ids[:CONTEXT], ids[CONTEXT:-1]
-                cache = DynamicCache(config=model.config)
-                with torch.inference_mode():
-                    model(input_ids=ctx[None], past_key_values=cache, use_cache=True)
-                kv = extract_slice(cache, model)
-                exact = _logp(model, cont, cache)
-                f = features(emb, ctx, args.lags)
-                held = torch.zeros(kv.keys.shape[1], len(lay.layers), dtype=torch.bool)
-                for i in range(len(lay.layers)):
-                    held[CONTEXT - lay.held(i, CONTEXT) :, i] = True
-                mask = held[None, :, :, None, None]
-                p = {k: (pred(f, k).reshape(kv.keys.shape).float() * mask) for k in ("keys", "values")}
-                resid = dataclasses.replace(kv, keys=kv.keys - p["keys"], values=kv.values - p["values"])
-                ref = reference_bytes(kv, 4, CONTEXT - 128)
-                for label, src, targets, c in (
-                    ("rows", kv, args.plain, cal),
-                    ("residuals", resid, args.residual, rcal),
-                ):
-                    state["exact"] = kv
-                    for r in (float(t) for t in targets.split(",")):
-                        codec = Codec(c, r, sinks=4, window=128)
-                        blob = codec.encode(src)
-                        out = codec.decode(blob)
-                        if label == "residuals":
-                            out = dataclasses.replace(
-                                out,
-                                keys=out.keys + p["keys"].to(out.keys.dtype),
-                                values=out.values + p["values"].to(out.values.dtype),
-                            )
-                        rel = [
-                            float((o.float() - e.float()).norm() / e.float().norm())
-                            for o, e in ((out.keys, kv.keys), (out.values, kv.values))
-                        ]
-                        lossy = _logp(model, cont, rebuild_cache(out, model))
-                        klv = float((exact.exp() * (exact - lossy)).sum(-1).mean())
-                        key = f"{text} {label} {r:g}x"
-                        runs.setdefault(key, {"kl": [], "ratio": []})
-                        runs[key]["kl"].append(klv)
-                        ratio = ref / Codec.inspect(blob)["coded_bytes"]
-                        runs[key]["ratio"].append(ratio)
-                        print(
-                            key, f"KL {klv:.5f}", f"ratio {ratio:.2f}", f"rel K {rel[0]:.3f} V {rel[1]:.3f}", flush=True
+    kls: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    with _heldout.patched(_Codec, _attention_mass=mass):
+        for w in _heldout.windows(model, tok, args.windows):
+            kv, T = w.kv, w.context.numel()
+            f = features(emb, w.context, args.lags)
+            held = torch.zeros(T, len(lay.layers), dtype=torch.bool)
+            for i in range(len(lay.layers)):
+                held[T - lay.held(i, T) :, i] = True
+            mask = held[None, :, :, None, None]
+            p = {k: (pred(f, k).reshape(kv.keys.shape).float() * mask) for k in ("keys", "values")}
+            resid = dataclasses.replace(kv, keys=kv.keys - p["keys"], values=kv.values - p["values"])
+            ref = reference_bytes(kv, 4, T - 128)
+            state["exact"] = kv
+            for label, src, targets, c in (("rows", kv, args.plain, cal), ("residuals", resid, args.residual, rcal)):
+                for r in (float(t) for t in targets.split(",")):
+                    codec = Codec(c, r, sinks=4, window=128)
+                    blob = codec.encode(src)
+                    out = codec.decode(blob)
+                    if label == "residuals":
+                        out = dataclasses.replace(
+                            out,
+                            keys=out.keys + p["keys"].to(out.keys.dtype),
+                            values=out.values + p["values"].to(out.values.dtype),
                         )
-    finally:
-        _Codec._attention_mass = original_mass  # type: ignore[method-assign]
-    result = {
-        "machine": _report.machine(),
-        "command": _report.command(),
-        "calibration": cal.fingerprint,
-        "seconds": time.perf_counter() - t0,
-        "theory": theory,
-        "codec": {
-            k: {"kl": sum(v["kl"]) / len(v["kl"]), "ratio": sum(v["ratio"]) / len(v["ratio"])} for k, v in runs.items()
-        },
-        "codec_windows": runs,
-    }
-    _report.write_json(args.name, result)
-    for key, val in result["codec"].items():
-        print(f"{key}: KL {val['kl']:.5f} ratio {val['ratio']:.2f}")
+                    rel = [
+                        float((o.float() - e.float()).norm() / e.float().norm())
+                        for o, e in ((out.keys, kv.keys), (out.values, kv.values))
+                    ]
+                    key = f"{w.text} {label} {r:g}x"
+                    kls.setdefault(key, []).append(_heldout.kl(model, w, out))
+                    ratios.setdefault(key, []).append(ref / Codec.inspect(blob)["coded_bytes"])
+                    print(key, f"KL {kls[key][-1]:.5f} ratio {ratios[key][-1]:.2f} rel K {rel[0]:.3f} V {rel[1]:.3f}")
+    _heldout.write(
+        args.name,
+        t0,
+        kls,
+        calibration=cal.fingerprint,
+        theory=theory,
+        ratio={key: sum(x) / len(x) for key, x in ratios.items()},
+        ratio_windows=ratios,
+    )
     return 0
 
 
