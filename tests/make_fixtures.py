@@ -7,6 +7,10 @@ The first set, tests/fixtures/{calibration.safetensors, sample.kvtc, sample_inpu
 sample_decoded.safetensors}, was written by the first encoder and is kept as it is: every later decoder must read it.
 The current set, tests/fixtures/current/ (the same files), uses every coder the CPU encoder chooses today
 (fixed-step planes under their Gaussians, delta-coded positions); its blob must re-encode byte for byte.
+The token-map set, tests/fixtures/predicted/ (the same files and ``embeddings.safetensors``), is container version 5:
+a calibration that carries a token map, a blob that carries its token ids and codes each middle token less the
+map's prediction. The embeddings and the map hold small multiples of 1/8, so the prediction is exact in float32
+whatever order a CPU sums in; its blob must re-encode byte for byte too.
 """
 
 from __future__ import annotations
@@ -64,6 +68,51 @@ def write(here, recipe=None, tokens=40):
     print(f"{here}: calibration {cal.hash[:16]}, blob {len(blob)} bytes, backends {backends}")
 
 
+def write_predicted(here, tokens=256):
+    """The token-map set: rows whose K/V are a base plus an exact linear function of the ids' embeddings."""
+    import dataclasses
+
+    from kvtc import KVSlice
+    from kvtc.calibration.token_map import LAGS, TokenMap, lagged, probe_ids
+
+    here.mkdir(exist_ok=True)
+    # the calibration is the build's own, fitted on its base rows: the residuals the blob's K/V leave
+    layout, cal, keys, values = build(Recipe(ratios=(4, 8), dp_rows=256), tokens)
+    g = torch.Generator().manual_seed(99)
+    vocab, dim, p = 64, 4, layout.num_features
+    emb = torch.randint(-4, 5, (vocab, dim), generator=g).float()
+    weights = {k: (torch.randint(-4, 5, (LAGS * dim, p), generator=g) / 8).half() for k in ("keys", "values")}
+    f = LAGS * dim
+    tm = TokenMap(LAGS, vocab, torch.zeros(f), torch.ones(f), weights, emb[probe_ids(vocab)])
+
+    def predicted(ids):
+        x = lagged(emb, ids, LAGS)
+        return {k: tm.predict(x, k) for k in weights}
+
+    cal = dataclasses.replace(cal, token_map=tm)
+    cal.save(here / "calibration.safetensors")
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    pred = predicted(ids)
+    shape = keys.shape
+    keys = (keys.float() + pred["keys"].view(shape)).bfloat16()
+    values = (values.float() + pred["values"].view(shape)).bfloat16()
+    positions = torch.arange(7, 7 + tokens)[None]
+    kv = KVSlice(layout, keys, values, positions, model_id="fixture", token_ids=ids)
+    codec = Codec(cal, ratio=8, sinks=2, window=4, embeddings=emb)
+    blob = codec.encode(kv)
+    (here / "sample.kvtc").write_bytes(blob)
+    save_file({"weight": emb}, str(here / "embeddings.safetensors"))
+    save_file(
+        {"keys": keys, "values": values, "positions": positions, "token_ids": ids},
+        str(here / "sample_input.safetensors"),
+    )
+    out = codec.decode(blob)
+    save_file(
+        {"keys": out.keys, "values": out.values, "positions": out.positions}, str(here / "sample_decoded.safetensors")
+    )
+    print(f"{here}: calibration {cal.hash[:16]}, blob {len(blob)} bytes, version {Codec.inspect(blob)['version']}")
+
+
 def main():
     import sys
 
@@ -71,6 +120,7 @@ def main():
         write(HERE)
     # more tokens than the first set, so that the fixed-step planes' Gaussians beat zstd
     write(HERE / "current", Recipe(ratios=(4, 8), dp_rows=256), tokens=256)
+    write_predicted(HERE / "predicted")
 
 
 if __name__ == "__main__":

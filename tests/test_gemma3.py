@@ -1,5 +1,6 @@
 """Gemma-3-270M end to end: the model's own ``DynamicCache(config=...)`` (15 sliding-window layers holding their
-newest 511 tokens, 3 full-attention layers) stored and restored, losslessly and through a small real calibration."""
+newest 511 tokens, 3 full-attention layers) stored and restored, losslessly and through a small real calibration
+that carries a token map (each token's K/V coded less a prediction from its token ids)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from transformers import DynamicCache
 
 from kvtc import assets
 from kvtc.calibration import Recipe
+from kvtc.calibration.artifact import Calibration
 from kvtc.codec import Codec
-from kvtc.integrations.hf import compress_cache, describe_model, restore_cache
+from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError
+from kvtc.integrations.hf import compress_cache, describe_model, extract_slice, restore_cache
 from kvtc.integrations.hf_calibrate import calibrate_model
 
 CONTEXT = 2048
@@ -71,20 +74,21 @@ def test_lossless_store_holds_only_what_each_layer_holds_and_continues_identical
 
 @pytest.fixture(scope="module")
 def small_calibration(gemma3_model):
-    """A quick real calibration of Gemma-3 (4K tokens of pre-2000 speeches, no sensitivity pass)."""
+    """A quick real calibration of Gemma-3 (4K tokens of pre-2000 speeches, no sensitivity pass) with a token map."""
     model, tok = gemma3_model
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
-    recipe = Recipe(tokens=4080, ratios=(16,), sensitivity="none", dp_rows=2048)
+    recipe = Recipe(tokens=4080, ratios=(16,), sensitivity="none", dp_rows=2048, token_map="on")
     return calibrate_model(model, tok, texts, recipe, progress=False)
 
 
 def test_coded_cache_reconstructs_both_kinds_of_layer(gemma3_model, prefilled, small_calibration):
     model, _ = gemma3_model
-    _, cache, first = prefilled
     cal = small_calibration
     assert [c.numel() for c in cal.columns] == [15 * 256, 3 * 256]  # one PCA per kind of layer
-    blob = compress_cache(cache, model, calibration=cal, ratio=16)
+    ids, cache, first = prefilled
+    blob = compress_cache(cache, model, calibration=cal, ratio=16, input_ids=ids)
     info = Codec.inspect(blob)
+    assert info["version"] == 5 and cal.token_map is not None
     assert info["codec_ratio"] > 14  # bf16 bytes of the coded tokens each layer holds / every coded byte
     restored = restore_cache(blob, model, calibration=cal)
     errors = {}
@@ -103,3 +107,85 @@ def test_coded_cache_reconstructs_both_kinds_of_layer(gemma3_model, prefilled, s
         lossy = torch.log_softmax(model(first, past_key_values=restored).logits[0, -1].float(), -1)
     kl = float((exact.exp() * (exact - lossy)).sum())
     assert kl < KL_BOUND, (kl, errors)
+
+
+def test_token_map_blob_carries_its_ids_and_keeps_raw_tokens_exact(gemma3_model, prefilled, small_calibration):
+    model, _ = gemma3_model
+    ids, cache, _ = prefilled
+    cal = small_calibration
+    emb = model.get_input_embeddings().weight
+    kv = extract_slice(cache, model)
+    codec = Codec(cal, 16, embeddings=emb)
+    with pytest.raises(CalibrationError, match="token_ids"):
+        codec.encode(kv)
+    with pytest.raises(CalibrationError, match="token_ids must be"):
+        codec.encode(kv, token_ids=ids[:, :-1])
+    with pytest.raises(CalibrationMismatch, match="vocabulary"):
+        codec.encode(kv, token_ids=torch.full_like(ids, cal.token_map.vocab))
+    blob = codec.encode(kv, token_ids=ids)
+    assert [s["name"] for s in Codec.inspect(blob)["sections"]][:2] == ["positions", "tokens"]
+    out = codec.decode(blob)
+    assert torch.equal(out.token_ids, ids)
+    # the raw tokens (4 sinks and 128 newest of the full layers, the 128 newest of the sliding ones) are untouched
+    for layers, first in ((FULL, 0), (SLIDING, CONTEXT - 511)):
+        for got, want in ((out.keys, kv.keys), (out.values, kv.values)):
+            assert torch.equal(got[:, -128:, layers], want[:, -128:, layers])
+            if first == 0:
+                assert torch.equal(got[:, :4, layers], want[:, :4, layers])
+            assert not got[:, :first, layers].any()  # tokens a sliding layer does not hold stay zero
+    # layer by layer, the same reconstruction
+    for i, (layer, k, v) in enumerate(codec.decode_layers(blob)):
+        assert torch.equal(k, out.keys[:, :, i]) and torch.equal(v, out.values[:, :, i]), layer
+    # the prediction is what the residuals are coded against: decoded without it, the K/V are far off
+    residual = Codec._decode(codec, blob)
+    rel = float((residual.values.float() - kv.values.float()).norm() / kv.values.float().norm())
+    assert rel > 0.2
+
+
+def test_token_map_refuses_other_embeddings_and_missing_ones(gemma3_model, prefilled, small_calibration, tmp_path):
+    model, _ = gemma3_model
+    ids, cache, _ = prefilled
+    cal = small_calibration
+    emb = model.get_input_embeddings().weight
+    with pytest.raises(CalibrationMismatch, match="not the ones"):
+        Codec(cal, 16, embeddings=emb.flip(0))
+    with pytest.raises(CalibrationMismatch, match="another model"):
+        Codec(cal, 16, embeddings=emb[:, :64])
+    blob = compress_cache(cache, model, calibration=cal, ratio=16, input_ids=ids)
+    with pytest.raises(CalibrationMismatch, match="embeddings"):
+        Codec(cal, 16).decode(blob)
+    # the map is part of the calibration: saved and loaded with the same hash, refused when edited
+    path = cal.save(tmp_path / "cal.safetensors")
+    back = Calibration.load(path)
+    assert back.hash == cal.hash and back.version == 9
+    assert torch.equal(back.token_map.weights["keys"], cal.token_map.weights["keys"])
+    import dataclasses
+
+    edited = dataclasses.replace(cal, token_map=dataclasses.replace(cal.token_map, std=cal.token_map.std * 1.01))
+    assert edited.hash != cal.hash  # another map is another calibration: its blobs do not decode with this one
+    with pytest.raises(CalibrationMismatch):
+        Codec(edited, 16, embeddings=emb).decode(blob)
+
+
+def test_token_map_blob_refuses_a_version_without_ids(gemma3_model, prefilled, small_calibration):
+    import json
+    import struct
+    import zlib
+
+    model, _ = gemma3_model
+    ids, cache, _ = prefilled
+    blob = compress_cache(cache, model, calibration=small_calibration, ratio=16, input_ids=ids)
+    magic, version, flags, hlen, _ = struct.unpack_from("<4sHHII", blob, 0)
+    header = json.loads(blob[16 : 16 + hlen])
+    assert version == 5 and header["predicted"] is True
+    for change in ("version", "flag"):
+        h = dict(header)
+        v = version
+        if change == "version":
+            v = 4
+        else:
+            del h["predicted"]
+        raw = json.dumps(h, separators=(",", ":"), sort_keys=True).encode()
+        bad = struct.pack("<4sHHII", magic, v, flags, len(raw), zlib.crc32(raw)) + raw + blob[16 + hlen :]
+        with pytest.raises(FormatError, match="token ids"):
+            restore_cache(bad, model, calibration=small_calibration)

@@ -246,3 +246,96 @@ def test_connector_stats_count_what_happened(tmp_path):
     assert not total.is_empty() and KVTCConnector.build_kv_connector_stats(None).is_empty()
     total.reset()
     assert total.is_empty()
+
+
+def _token_map_codecs(tmp_path: Path) -> tuple[Codecs, ConnectorConfig, torch.Tensor]:
+    """kvtc codecs of a calibration with a token map for the tiny Llama the workers' caches stand for, whose
+    checkpoint (safetensors, as vLLM serves it) lies in ``tmp_path/tiny``; and that model's embedding table."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    import tiny_models
+    from kvtc.calibration import Recipe, fit_calibration
+    from kvtc.calibration.token_map import LAGS, TokenMap, probe_ids
+    from kvtc.integrations.hf import describe_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_models.llama())
+    model.save_pretrained(tmp_path / "tiny")
+    layout, rope = describe_model(model)
+    layout = dataclasses.replace(layout, dtype="bfloat16")
+    g = torch.Generator().manual_seed(3)
+    rows = [(torch.randn(512, layout.num_features, generator=g), torch.randn(512, layout.num_features, generator=g))]
+    cal = fit_calibration(layout, rows, Recipe(ratios=(4, 8), dp_rows=256), rope=rope.to_dict(), model_id="tiny")
+    emb = model.get_input_embeddings().weight.detach()
+    f, p = LAGS * emb.shape[1], layout.num_features
+    weights = {k: (torch.randn(f, p, generator=g) * 0.05).half() for k in ("keys", "values")}
+    tm = TokenMap(
+        LAGS,
+        emb.shape[0],
+        emb.float().mean(0).repeat(LAGS),
+        torch.ones(f),
+        weights,
+        emb[probe_ids(emb.shape[0])].float(),
+    )
+    cal = dataclasses.replace(cal, token_map=tm)
+    path = cal.save(tmp_path / "tiny.safetensors")
+    config = ConnectorConfig(
+        codec="kvtc", calibration=str(path), ratio=4, store=f"file://{tmp_path}/store", chunk_tokens=CHUNK, sinks=0
+    )
+    return Codecs(config, cal, rope, "the tiny model", checkpoint=str(tmp_path / "tiny")), config, emb
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_token_map_calibration_stores_each_chunk_with_its_ids(tmp_path, background):
+    """The scheduler's token ids reach the encoder (inline or in the codec process), the blob carries them, and a
+    fresh worker restores the chunk with the embeddings it reads from the checkpoint; a chunk without ids is not
+    stored (a failed save, never a blob coded against the wrong prediction)."""
+    from kvtc.codec import Codec
+
+    codecs, config, _ = _token_map_codecs(tmp_path)
+    setup = ConnectorSetup(config, model="tiny", model_dtype="torch.bfloat16", block_size=BLOCK, tp_size=1,
+                           total_kv_heads=HEADS, head_dim=DIM)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    caches = {name: torch.randn(BLOCKS, HEADS, BLOCK, 2 * DIM, generator=g).bfloat16() for name in NAMES}
+
+    def worker(cs, fill):
+        w = WorkerSide(setup, cs, 0, open_connector_store(config, setup.namespace(0)), background=background)
+        w.attach({n: c.clone() if fill else torch.zeros_like(c) for n, c in caches.items()}, {}, "auto")
+        return w
+
+    src = worker(codecs, True)
+    ids = list(range(3, 3 + CHUNK))
+    src.save([StoreJob("a", "k0", 0, [[5, 2]], ids), StoreJob("a", "k1", 1, [[5, 2, 7, 1]])])
+    src.close()
+    assert src.tally.take()["save_failures"] == 1  # k1 came without its ids
+    blob = src.store.get("k0")
+    assert Codec.inspect(blob)["version"] == 5 and src.store.get("k1") is None
+
+    fresh = Codecs(config, codecs.calibration, codecs.rope, "the tiny model", checkpoint=str(tmp_path / "tiny"))
+    dst = worker(fresh, False)
+    dst.load([LoadJob("b", [[3, 4]], 0, CHUNK, ["k0"], 0)])
+    assert dst.take_finished_loads() == ({"b"}, set())
+    assert torch.equal(dst.chunks.codecs.codec(src.layout, True).decode(blob).token_ids[0], torch.tensor(ids))
+    for i, name in enumerate(NAMES):
+        want = torch.cat([caches[name][5], caches[name][2]], 1).float()  # [heads, 32, 2 * dim]
+        got = torch.cat([dst.layers[i].cache[3], dst.layers[i].cache[4]], 1).float()
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 0.9, (name, rel)  # random K/V at 4x: lossy, but the chunk's own
+    dst.close()
+
+
+def test_a_token_map_calibration_needs_the_checkpoints_embeddings(tmp_path):
+    codecs, config, _ = _token_map_codecs(tmp_path)
+    bare = Codecs(config, codecs.calibration, codecs.rope, "the tiny model", checkpoint=str(tmp_path / "nowhere"))
+    lay = codecs.calibration.layout
+    with pytest.raises(ConfigError, match="input embeddings"):
+        bare.check(lay)
+    (tmp_path / "other").mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(7, 3)}, str(tmp_path / "other" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="no input embedding table"):
+        Codecs(config, codecs.calibration, codecs.rope, "x", checkpoint=str(tmp_path / "other")).check(lay)
+    codecs.check(lay)  # the real checkpoint: found by name and shape

@@ -274,6 +274,9 @@ class KVSlice:
     values: torch.Tensor
     positions: torch.Tensor
     model_id: str = ""
+    #: int64 ``[batch, tokens]``: the token ids the KV was computed from, where known (a codec whose calibration
+    #: carries a token map needs them, and decoding its blobs gives them back)
+    token_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -294,6 +297,11 @@ class KVSlice:
                 f"positions must be int64 [batch, tokens] = {tuple(self.keys.shape[:2])}, "
                 f"got {self.positions.dtype} {tuple(self.positions.shape)}"
             )
+        ids = self.token_ids
+        if ids is not None and (
+            not isinstance(ids, torch.Tensor) or ids.shape != self.keys.shape[:2] or ids.dtype != torch.int64
+        ):
+            raise LayoutError(f"token_ids must be int64 [batch, tokens] = {tuple(self.keys.shape[:2])} or None")
 
     @property
     def batch(self) -> int:

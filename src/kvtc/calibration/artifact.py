@@ -16,6 +16,9 @@ Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
   that also records the key-to-query map (format version 8): ``[pre-RoPE key, 1] @ map[layer, head]`` predicts the
   pre-RoPE queries of the ``G`` query heads that read that KV head (a ridge regression on the calibration corpus).
   Encoder-only as well
+* ``tokens.mean``, ``tokens.std``, ``tokens.probe``, ``tokens.keys``, ``tokens.values`` — only in a calibration
+  that carries a token map (format version 9; :mod:`kvtc.calibration.token_map`): the codec codes each token's
+  K/V less the map's prediction from its token ids, so they are part of the hash
 
 The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
 RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
@@ -53,6 +56,7 @@ from .meta import (
 )
 from .pca import PCAResult
 from .plan import Plan
+from .token_map import TokenMap
 
 KINDS = ("keys", "values")
 
@@ -88,6 +92,8 @@ class Calibration:
     queries: torch.Tensor | None = None
     query_scales: torch.Tensor | None = None
     query_map: torch.Tensor | None = None
+    #: the prediction of each token's K/V from its token ids that the codec codes the residual of (None: none)
+    token_map: TokenMap | None = None
 
     def __post_init__(self) -> None:
         self._columns = self.grouping.columns(self.layout)
@@ -215,6 +221,8 @@ class Calibration:
                     raise CalibrationError("key-to-query map must be finite float32")
         elif self.query_map is not None:
             raise CalibrationError("a key-to-query map comes with the mean queries")
+        if self.token_map is not None:
+            self.token_map.validate(self.layout.num_features)
 
     # ------------------------------------------------------------------ serialisation
     @property
@@ -236,7 +244,12 @@ class Calibration:
     def version(self) -> int:
         """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
         return saved_version(
-            self.types, self.weighted, self.legacy, self.queries is not None, self.query_map is not None
+            self.types,
+            self.weighted,
+            self.legacy,
+            self.queries is not None,
+            self.query_map is not None,
+            self.token_map is not None,
         )
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
@@ -274,6 +287,7 @@ class Calibration:
                 for key, by_kind in sorted(self.plans.items())
             },
             **({} if self.queries is None else {"queries": self._queries_meta()}),
+            **({} if self.token_map is None else {"token_map": self.token_map.meta()}),
         }
 
     def _queries_meta(self) -> dict[str, Any]:
@@ -297,6 +311,8 @@ class Calibration:
             out["queries.scale"] = self.query_scales.contiguous()
             if self.query_map is not None:
                 out["queries.map"] = self.query_map.contiguous()
+        if self.token_map is not None:
+            out.update(self.token_map.tensors())
         return out
 
     def _compute_hash(self) -> str:
@@ -410,6 +426,7 @@ class Calibration:
                 queries=tensors.get("queries"),
                 query_scales=tensors.get("queries.scale"),
                 query_map=tensors.get("queries.map"),
+                token_map=None if meta.get("token_map") is None else TokenMap.from_parts(meta["token_map"], tensors),
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):
@@ -463,6 +480,11 @@ class Calibration:
             query_map=None
             if self.query_map is None
             else self.query_map[:, [self.layout.heads.index(h) for h in heads]],
+            token_map=None
+            if self.token_map is None
+            else self.token_map.columns(
+                torch.tensor([c for li in layout.layers for h in layout.heads for c in self.layout.pair_columns(li, h)])
+            ),
         )
         if [c.tolist() for c in sub.columns] != [_remap(self.layout, layout, self._columns[g]) for g in keep]:
             raise CalibrationMismatch("head shard order does not match the calibration's groups")

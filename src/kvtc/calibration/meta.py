@@ -47,6 +47,7 @@ _TOP = {
     "plans",
     "hash",
     "queries",
+    "token_map",
 }
 _KINDS = ("keys", "values")
 FORMAT_NAME = "kvtc-calibration"
@@ -66,12 +67,15 @@ MAX_META_BYTES = 64 << 20
 #: 7: any of 4-6 that also records each head's mean query (tensors ``queries`` and ``queries.scale``, metadata
 #: ``queries``), which the encoder's token-adaptive rates read; a calibration without them is written as before.
 #: 8: version 7 that also records the key-to-query map (tensor ``queries.map``, metadata ``queries`` ``map``).
+#: 9: any of 4-8 that also carries a token map (tensors ``tokens.*``, metadata ``token_map``:
+#: :mod:`kvtc.calibration.token_map`), which decoding needs; a calibration without one is written as before.
 FORMAT_VERSION = 4
 INT1_VERSION = 5
 FIXED_VERSION = 6
 QUERIES_VERSION = 7
 QUERY_MAP_VERSION = 8
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+TOKEN_MAP_VERSION = 9
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 
@@ -84,12 +88,19 @@ def needed_version(types: frozenset[int], weighted: bool) -> int:
 
 
 def saved_version(
-    types: frozenset[int], weighted: bool, legacy: bool, queries: bool = False, query_map: bool = False
+    types: frozenset[int],
+    weighted: bool,
+    legacy: bool,
+    queries: bool = False,
+    query_map: bool = False,
+    token_map: bool = False,
 ) -> int:
     """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6, 7
-    when it records mean queries, 8 when it also records the key-to-query map."""
+    when it records mean queries, 8 when it also records the key-to-query map, 9 when it carries a token map."""
     if legacy:
         return needed_version(types, weighted)
+    if token_map:
+        return TOKEN_MAP_VERSION
     if query_map:
         return QUERY_MAP_VERSION
     if queries:
@@ -152,16 +163,31 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
     groups, width = _groups(meta.get("grouping"), limits, heads, head_dim, f"{where} 'grouping'")
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
-    if version >= QUERY_MAP_VERSION and meta.get("queries") is None:
+    if version == QUERY_MAP_VERSION and meta.get("queries") is None:
         raise CalibrationError(f"{where}: a version-{version} file without its 'queries'; the file is corrupt")
+    if (version == TOKEN_MAP_VERSION) != (meta.get("token_map") is not None):
+        raise CalibrationError(f"{where}: a token map belongs in a version-9 file and only there; the file is corrupt")
+    if meta.get("token_map") is not None:
+        tm = meta["token_map"]
+        if not isinstance(tm, dict) or set(tm) != {"lags", "vocab", "gain"} or not isinstance(tm["gain"], dict):
+            raise CalibrationError(f"{where} 'token_map' must hold lags, vocab and gain; the file is corrupt")
+        _int(tm["lags"], f"{where} 'token_map' 'lags'", 1, 16)
+        _int(tm["vocab"], f"{where} 'token_map' 'vocab'", 1, 1 << 24)
+        if len(tm["gain"]) > 8:
+            raise CalibrationError(f"{where} 'token_map' 'gain' has too many entries; the file is corrupt")
+        for name, v in tm["gain"].items():
+            _number(v, f"{where} 'token_map' gain {_show(name)}")
     if meta.get("queries") is not None:
         q = meta["queries"]
-        fields = {"per_kv_head", "map"} if version >= QUERY_MAP_VERSION else {"per_kv_head"}
+        if version == TOKEN_MAP_VERSION:
+            fields = {"per_kv_head", "map"} if isinstance(q, dict) and "map" in q else {"per_kv_head"}
+        else:
+            fields = {"per_kv_head", "map"} if version >= QUERY_MAP_VERSION else {"per_kv_head"}
         if (
             version < QUERIES_VERSION
             or not isinstance(q, dict)
             or set(q) != fields
-            or (version >= QUERY_MAP_VERSION and q["map"] is not True)
+            or ("map" in fields and q["map"] is not True)
         ):
             raise CalibrationError(
                 f"{where} 'queries' is malformed or in a version-{version} file; the file is corrupt"
@@ -376,6 +402,8 @@ def tensor_names(meta: dict[str, Any]) -> set[str]:
             names |= {"queries", "queries.scale"}
             if meta["queries"].get("map"):
                 names.add("queries.map")
+        if meta.get("token_map") is not None:
+            names |= {"tokens.mean", "tokens.std", "tokens.probe", "tokens.keys", "tokens.values"}
         return names
     except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None

@@ -93,6 +93,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # newest tokens' predicted queries give them, kvtc.codec.tiers), the mean queries alone ("mean": the ranking
     # uses them) or neither ("none")
     "queries": ("keys", "mean", "none"),
+    # code each token's K/V less a linear prediction from its token ids (kvtc.calibration.token_map): fit the map
+    # and keep it where it saves enough distortion on held-out windows ("auto", ours), always ("on") or never
+    # ("off": r14 and before)
+    "token_map": ("auto", "on", "off"),
 }
 KV_SPLITS = CHOICES["kv_split"]
 SENSITIVITIES = CHOICES["sensitivity"]
@@ -124,7 +128,9 @@ class Recipe:
     ``sensitivity_windows`` windows of ``sensitivity_context`` + ``sensitivity_continuation`` tokens with
     ``sensitivity_labels``, resolved per ``sensitivity_resolution`` and floored at ``sensitivity_floor``;
     ``queries`` (``"keys"``: record each head's mean query and the key-to-query map for the encoder's
-    token-adaptive rates; ``"mean"``: the mean queries alone).
+    token-adaptive rates; ``"mean"``: the mean queries alone); ``token_map`` (``"auto"``: fit a map from the token
+    ids to the K/V on windows of the corpus and code each token less its prediction where that saves at least
+    :data:`~kvtc.calibration.token_map.MIN_GAIN` of the distortion on held-out windows; ``"on"``, ``"off"``).
     """
 
     ratios: tuple[float, ...] = DEFAULT_RATIOS
@@ -150,6 +156,7 @@ class Recipe:
     sensitivity_labels: str = "text"
     sampling: str = "spread"
     queries: str = "keys"
+    token_map: str = "auto"
     tokens: int = DEFAULT_TOKENS
     window: int = DEFAULT_WINDOW_TOKENS
     sinks: int = DEFAULT_CALIBRATION_SINKS
@@ -254,15 +261,20 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: tokens' queries predicted from their exact keys instead of the mean queries'; r12u without weighting.
 #: r13: r12 plus plans at 144x and 192x, the low tiers of 48x and 64x at 3 times the target; r13u without
 #: weighting.
-#: r14 (now the default): r13 with each plan's stored size measured as the encoder now stores it, fixed-step planes
-#: under their components' Gaussians (``coder="gauss"``); r14u without weighting.
-_R13 = {"coder": "zstd"}
+#: r14: r13 with each plan's stored size measured as the encoder now stores it, fixed-step planes under their
+#: components' Gaussians (``coder="gauss"``); r14u without weighting.
+#: r15 (now the default): r14 plus the token map where it pays (``token_map="auto"``: Gemma-3-270M gets one,
+#: SmolLM2-135M does not, and its r15 calibration holds the same tensors and plans as r14); r15u without weighting.
+_R14 = {"token_map": "off"}
+_R13 = {"coder": "zstd", **_R14}
 _R12 = {"ratios": R12_RATIOS, **_R13}
 _R10 = {"ratios": R10_RATIOS, "queries": "none", **_R13}
 _R9 = {"types": R9_TYPES, "rate": "coded", **_R10}
 RECIPES: dict[str, Recipe] = {
-    "r14": Recipe(),
-    "r14u": Recipe(sensitivity="none"),
+    "r15": Recipe(),
+    "r15u": Recipe(sensitivity="none"),
+    "r14": Recipe(**_R14),
+    "r14u": Recipe(sensitivity="none", **_R14),
     "r13": Recipe(**_R13),
     "r13u": Recipe(sensitivity="none", **_R13),
     "r12": Recipe(**_R12),
@@ -274,7 +286,7 @@ RECIPES: dict[str, Recipe] = {
     "r9": Recipe(**_R9),
     "r9u": Recipe(sensitivity="none", **_R9),
 }
-DEFAULT_RECIPE = "r14"
-UNWEIGHTED_RECIPE = "r14u"
+DEFAULT_RECIPE = "r15"
+UNWEIGHTED_RECIPE = "r15u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

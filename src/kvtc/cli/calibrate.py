@@ -89,6 +89,14 @@ def add_calibrate(sub: Any) -> None:
         "that encoders spend more bits on the tokens the newest tokens' (predicted) queries read (token-adaptive "
         "rates; default); mean: rank by the mean queries alone; none: every middle token gets the same plan",
     )
+    p.add_argument(
+        "--token-map",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="code each token's K/V less a linear prediction from its token ids (the blob then carries the ids, and "
+        "encoding and decoding need the model's input embeddings): auto (default) fits the map and keeps it where "
+        "it saves enough distortion on held-out windows (Gemma-3-270M: kept; SmolLM2-135M: left out); on; off",
+    )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
         "--out",
@@ -174,6 +182,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:
         print("  mean queries: not recorded (one plan for every middle token)")
+    notes = cal.corpus.get("token_map") or {}
+    if cal.token_map is not None:
+        print(
+            f"  token map: kept ({cal.token_map.lags} tokens per prediction; saves "
+            f"{100 * (cal.token_map.gain.get('keys', 0) + cal.token_map.gain.get('values', 0)) / 2:.0f}% of the "
+            "distortion on held-out windows): blobs carry the token ids"
+        )
+    elif notes.get("gain"):
+        g = notes["gain"]
+        print(f"  token map: left out (would save {100 * (g['keys'] + g['values']) / 2:.0f}% of the distortion)")
     print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -190,6 +208,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
         sensitivity=args.sensitivity,
         sampling=args.sampling,
         queries=args.queries,
+        token_map=args.token_map,
         types=parse_types(args.types),
         **{k: v for k, v in given.items() if v is not None},
     )

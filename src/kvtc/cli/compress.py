@@ -79,7 +79,7 @@ def run_compress(args: argparse.Namespace) -> int:
         cache = model(ids, use_cache=True).past_key_values
     t_prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
-    blob = compress_cache(cache, model, codec)
+    blob = compress_cache(cache, model, codec, input_ids=ids)
     t_encode = time.perf_counter() - t0
     # the token ids first: a blob that exists always has its ids beside it
     write_atomic(_tokens_path(args.out), _tokens_record(blob, ids, args.chat))

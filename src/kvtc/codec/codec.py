@@ -23,6 +23,10 @@ A rate-ladder blob (container version 4, the default where the calibration recor
 kind and PCA group with one of several plans (its *rung*): per kind and group a section ``rungs.{kind}.{g}`` (a byte
 per middle token), then ``{kind}.{g}.params`` and ``{kind}.{g}.{type}`` holding every rung's rows, rung after rung
 (the header's ``rung_counts`` size each part; :mod:`kvtc.codec.ladder` encodes them and locates each rung's rows).
+
+With a calibration that carries a token map (container version 5, :mod:`kvtc.codec.prediction`), section ``tokens``
+(the token ids, int32 ``[B, T]``) follows ``positions``, and the coded sections hold each middle token's K/V less the
+map's prediction from those ids; decoding adds it back, from the model's input embeddings (``embeddings=``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
 from ..errors import LayoutError
 from ..layout import KVSlice
-from . import attention, budget, container, gpu_write, info, ladder, spans, tiers
+from . import attention, budget, container, gpu_write, info, ladder, prediction, spans, tiers
 from .buffers import device_bytes, host_bytes, le_bytes
 from .clock import Clock, stage_clock
 from .decoding import DIRECT_MIN_TOKENS, Decoding
@@ -63,6 +67,10 @@ class Codec(Decoding):
     ``"two"``; ``"two"``: recipe r13's two tiers (:func:`kvtc.codec.tiers.auto_pair`, container version 3);
     ``"none"``: one plan for every token; ``(high, low)``: two tiers at those targets (raises
     :class:`~kvtc.errors.CalibrationError` when the calibration cannot).
+
+    ``embeddings``: the model's input embedding table (``model.get_input_embeddings().weight``), needed when the
+    calibration carries a token map (:attr:`needs_token_ids`): :meth:`encode` then also takes the token ids, and
+    the blob carries them. The table is checked against the calibration's (:class:`~kvtc.errors.CalibrationMismatch`).
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class Codec(Decoding):
         precision: str = "fp32",
         max_decoded_bytes: int = budget.DEFAULT_MAX_DECODED_BYTES,
         tiers: str | tuple[float, float] = "auto",
+        embeddings: torch.Tensor | None = None,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
@@ -110,11 +119,32 @@ class Codec(Decoding):
         self.ladder: tuple[str, ...] | None = None
         if calibration is not None:
             self.tiers, self.ladder = resolve_tiers(calibration, float(self.ratio), tiers)
+        self._embeddings: torch.Tensor | None = None
+        if embeddings is not None:
+            self.use_embeddings(embeddings)
         self._rope = None
         if (self.tiers is not None or self.ladder is not None) and calibration.rope is not None:
             from ..rope import RopeSpec
 
             self._rope = RopeSpec.from_dict(calibration.rope)
+
+    @property
+    def needs_token_ids(self) -> bool:
+        """Whether the calibration carries a token map: :meth:`encode` then needs the token ids, and encoding and
+        decoding the model's input embeddings."""
+        return self.calibration is not None and self.calibration.token_map is not None
+
+    def use_embeddings(self, embeddings: torch.Tensor) -> None:
+        """Give the model's input embedding table (checked against the calibration's token map; ignored without
+        one)."""
+        if self.needs_token_ids:
+            self._embeddings = self.calibration.token_map.check_embeddings(embeddings)
+
+    def _token_map(self) -> tuple[Any, torch.Tensor]:
+        """The calibration's token map and the embeddings, or a CalibrationMismatch saying what to pass."""
+        if self._embeddings is None:
+            self.calibration.token_map.check_embeddings(None)  # raises, saying what to pass
+        return self.calibration.token_map, self._embeddings
 
     @classmethod
     def identity(cls, backend: str = "raw", **kw: Any) -> Codec:
@@ -122,8 +152,14 @@ class Codec(Decoding):
         return cls(None, None, backend=backend, **kw)
 
     # ------------------------------------------------------------------ encode
-    def encode(self, kv: KVSlice, timings: dict[str, float] | None = None, out: Any = None) -> Any:
+    def encode(
+        self, kv: KVSlice, timings: dict[str, float] | None = None, out: Any = None, token_ids: Any = None
+    ) -> Any:
         """Compress a slice (keys pre-RoPE) to a self-describing blob (``bytes``).
+
+        ``token_ids``: int ``[batch, tokens]`` (``[tokens]`` for one sequence), the ids the KV was computed from
+        (default: the slice's ``token_ids``); required when the calibration carries a token map
+        (:attr:`needs_token_ids`), ignored otherwise.
 
         ``out``: a buffer the blob is written into instead (a 1-D uint8 CPU tensor such as a pinned host buffer
         an offload tier reuses, or a bytearray / writable memoryview / numpy array); the blob is returned as a view
@@ -160,7 +196,15 @@ class Codec(Decoding):
         if self.ladder is not None and header.middle_tokens:
             header.rungs, header.rung_counts = self.ladder, {kind: [] for kind in KINDS}
         budget.check_sparsity(header)
+        exact = kv  # the attention the ladder weighs tokens by is the exact keys'
         payloads: list[tuple[str, Any]] = [("positions", Int64s(le_bytes(kv.positions)))]
+        if self.needs_token_ids and header.middle_tokens:
+            ids = prediction.check_ids(kv.token_ids if token_ids is None else token_ids, B, T)
+            token_map, emb = self._token_map()
+            header.predicted = True
+            with clock("predict"):
+                kv = prediction.shift(kv, header, token_map, emb, ids, -1.0)
+            payloads.append((prediction.SECTION, prediction.ids_bytes(ids)))
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
             prot = spans.protected(t, header)
             payloads.append((f"raw.{kind}", device_bytes(prot) if self._on_fused_device(prot) else le_bytes(prot)))
@@ -171,10 +215,10 @@ class Codec(Decoding):
             mass = None
             if header.rungs:
                 with clock("tiers"):
-                    mass = self._attention_mass(kv)
+                    mass = self._attention_mass(exact)
             if header.tiers:
                 with clock("tiers"):
-                    masks = self._choose_tiers(kv, header, middles)
+                    masks = self._choose_tiers(exact, header, middles)
                 payloads.extend((f"tiers.{g}", tiers.pack_mask(mk)) for g, mk in enumerate(masks) if mk is not None)
             ladder_rows: dict[str, list[torch.Tensor | None]] = {}
             for kind, t in (("keys", kv.keys), ("values", kv.values)):

@@ -26,6 +26,10 @@ blobs that use them are written as version 3; a reader of versions 1-2 refuses t
 Version 4 adds the rate ladder (``rungs``: each token of each kind and PCA group coded by one of several plans,
 ``rung_counts`` the tokens each plan codes, a byte per token in section ``rungs.{kind}.{g}`` saying which). kvtc
 writes version 4 for every token-adaptive blob and still reads version 3.
+
+Version 5 adds the token ids (``predicted``: the middle tokens are coded less the calibration's token-map prediction,
+:mod:`kvtc.codec.prediction`; section ``tokens``, int32 ``[B, T]``, right after ``positions``), with any of the
+above. Only such blobs are written as version 5.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ from .entropy import EntropyCoder, decode_stream, encode_stream
 from .header import Header, Section, parse_header  # Header, Section: part of the container's interface
 
 MAGIC = b"KVTC"
-VERSION = 4
+VERSION = 5
 #: versions this kvtc reads (1: every layer holds every token; 2: per-layer held-token counts; 3: two tiers;
-#: 4: the rate ladder)
-VERSIONS = (1, 2, 3, 4)
+#: 4: the rate ladder; 5: token ids, the middle tokens coded less their prediction)
+VERSIONS = (1, 2, 3, 4, 5)
 PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 
@@ -190,6 +194,23 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError("container header is not valid JSON; the blob is corrupt") from None
     header = parse_header(d)
+    if header.predicted != (version == 5):
+        raise FormatError(
+            f"container version {version} {'with' if header.predicted else 'without'} token ids (version 5 has them, "
+            "no other version does); the blob is corrupt"
+        )
+    if version != 5:  # version 5 carries any of the layouts, tiers or ladders of versions 1-4
+        _check_version(header, version)
+    body = PREFIX.size + hlen
+    total = sum(s.coded for s in header.sections)
+    if not partial and body + total != len(blob):
+        what = "truncated" if body + total > len(blob) else "has trailing bytes"
+        raise FormatError(f"blob {what}: sections need {total} bytes after the header, found {len(blob) - body}")
+    return header, body
+
+
+def _check_version(header: Header, version: int) -> None:
+    """Versions 1-4: the version says which of tiers, a rate ladder and per-layer held-token counts the blob has."""
     if header.tiers and version != 3:
         raise FormatError(f"container version {version} with token-adaptive tiers (only version 3 has them); corrupt")
     if not header.tiers and version == 3:
@@ -204,12 +225,6 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
             f"container version {version} with a layout that {'lacks' if version == 2 else 'has'} per-layer held-token "
             "counts (version 2 carries them, version 1 never does); the blob is corrupt"
         )
-    body = PREFIX.size + hlen
-    total = sum(s.coded for s in header.sections)
-    if not partial and body + total != len(blob):
-        what = "truncated" if body + total > len(blob) else "has trailing bytes"
-        raise FormatError(f"blob {what}: sections need {total} bytes after the header, found {len(blob) - body}")
-    return header, body
 
 
 def section_chunks(

@@ -15,7 +15,7 @@ import torch
 from ..calibration.artifact import KINDS
 from ..errors import CalibrationMismatch, FormatError
 from ..layout import DTYPES, KVSlice
-from . import budget, container, gpu_decode, ladder, spans, tiers
+from . import budget, container, gpu_decode, ladder, prediction, spans, tiers
 from .buffers import section_tensor
 from .clock import Clock, stage_clock
 from .entropy import device_coder
@@ -106,6 +106,8 @@ class Decoding:
         """Each section's exact raw size, from the header and the calibration; ``hints`` receives each fixed-step
         plane's ``gauss`` model (:class:`kvtc.codec.gaussian.Hint`)."""
         exp = {"positions": 8 * h.batch * h.tokens}
+        if h.predicted:
+            exp[prediction.SECTION] = 4 * h.batch * h.tokens
         for kind in KINDS:
             exp[f"raw.{kind}"] = spans.raw_bytes(h)
         hints = {} if hints is None else hints
@@ -137,6 +139,15 @@ class Decoding:
                         add(f"{kind}.{g}", pl, h.batch * middles[g][1])
         return exp
 
+    def _predicted(self, blob: Any) -> tuple[container.Header, torch.Tensor] | None:
+        """A version-5 blob's header and token ids (None for any other blob), after the checks every decode makes."""
+        view, _, header, body = self._checked_header(blob)
+        if not header.predicted:
+            return None
+        if not self.needs_token_ids:  # type: ignore[attr-defined]
+            raise FormatError("a blob with token ids whose calibration has no token map; the blob is corrupt")
+        return header, prediction.read_ids(view, header, body)
+
     def decode(
         self,
         blob: bytes | torch.Tensor,
@@ -146,6 +157,22 @@ class Decoding:
         """Reconstruct the slice a blob holds (keys pre-RoPE, in the layout's dtype), on ``device``
         (default: CPU). ``blob``: bytes, or a 1-D uint8 CPU tensor holding them (pinned host memory lets a GPU
         codec copy the coded streams to the device without staging)."""
+        predicted = self._predicted(blob)
+        if predicted is not None:
+            token_map, emb = self._token_map()  # type: ignore[attr-defined]
+        kv = self._decode(blob, timings, device)
+        if predicted is None:
+            return kv
+        clock = stage_clock(timings)
+        with clock("predict"):
+            return prediction.shift(kv, predicted[0], token_map, emb, predicted[1], 1.0)
+
+    def _decode(
+        self,
+        blob: bytes | torch.Tensor,
+        timings: dict[str, float] | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVSlice:
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
         if self._fused and out_dev == self.device:
             fast = gpu_decode.decode(self, blob, timings)
@@ -333,6 +360,18 @@ class Decoding:
         (default: CPU), layer by layer: each layer's reconstruction multiplies the coefficients by that
         layer's basis columns only (the GPU path: views of :meth:`decode`'s output, handed over while its products
         run). A sliding-window layer's tokens older than those it holds are zero."""
+        predicted = self._predicted(blob)
+        if predicted is None:
+            yield from self._decode_layers(blob, device)
+            return
+        token_map, emb = self._token_map()  # type: ignore[attr-defined]
+        yield from prediction.add_to_layers(
+            self._decode_layers(blob, device), predicted[0], token_map, emb, predicted[1]
+        )
+
+    def _decode_layers(
+        self, blob: bytes, device: torch.device | str | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         out_dev = torch.device(device) if device is not None else torch.device("cpu")
         if self._fused and out_dev == self.device:
             fast = gpu_decode.decode_layers(self, blob)

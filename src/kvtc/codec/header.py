@@ -54,11 +54,16 @@ class Header:
     #: PCA group, how many middle tokens each rung codes
     rungs: tuple[str, ...] | None = None
     rung_counts: dict[str, list[list[int]]] | None = None
+    #: the middle tokens are coded less the calibration's token-map prediction, and section ``tokens`` holds the
+    #: token ids it is made from (container version 5)
+    predicted: bool = False
 
     @property
     def version(self) -> int:
-        """The container version this header is written as (4 with a rate ladder, 3 with two tiers, else 2 only when
-        some layer holds fewer tokens, else 1)."""
+        """The container version this header is written as (5 with token ids, else 4 with a rate ladder, 3 with two
+        tiers, else 2 only when some layer holds fewer tokens, else 1)."""
+        if self.predicted:
+            return 5
         return 4 if self.rungs else 3 if self.tiers else 2 if self.layout.max_tokens else 1
 
     @property
@@ -109,6 +114,7 @@ class Header:
             "sections": [[s.name, s.backend, s.raw, s.coded, s.crc32] for s in self.sections],
             **({"tiers": list(self.tiers)} if self.tiers else {}),
             **({"rungs": list(self.rungs), "rung_counts": self.rung_counts} if self.rungs else {}),
+            **({"predicted": True} if self.predicted else {}),
         }
 
 
@@ -194,13 +200,19 @@ def parse_header(d: Any) -> Header:
     rungs, counts = _parse_ladder(d, mode, batch * tokens)
     if tiers is not None and rungs is not None:
         raise FormatError("container has both tiers and a rate ladder; the blob is corrupt")
+    predicted = d.get("predicted", False)
+    if predicted is not False and (predicted is not True or mode != "kvtc"):
+        raise FormatError("container predicted field invalid; the blob is corrupt")
     header = Header(
-        mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections, tiers, rungs, counts
-    )
+        mode, cal, model_id, layout, batch, tokens, sinks, window, ratio, packing, sections, tiers, rungs, counts,
+        predicted,
+    )  # fmt: skip
     if mode == "identity" and header.middle_tokens:
         raise FormatError("identity blob must store every token raw (sinks + window < tokens); the blob is corrupt")
     if batch == 0 and header.middle_tokens:
         raise FormatError("empty batch with coded middle tokens; the blob is corrupt")
+    if predicted and not header.middle_tokens:
+        raise FormatError("a blob with token ids but no coded tokens; the blob is corrupt")
     return header
 
 

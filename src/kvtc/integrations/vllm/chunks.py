@@ -47,10 +47,20 @@ class ChunkCodec:
 
     # -- description for the codec process -----------------------------------------------------
     @staticmethod
-    def setup(config: Any, namespace: str, layout: KVLayout, rope: Any, model: str, model_id: str) -> dict[str, Any]:
-        """What a codec process builds its :class:`ChunkCodec` from (JSON)."""
+    def setup(
+        config: Any,
+        namespace: str,
+        layout: KVLayout,
+        rope: Any,
+        model: str,
+        model_id: str,
+        checkpoint: str | None = None,
+    ) -> dict[str, Any]:
+        """What a codec process builds its :class:`ChunkCodec` from (JSON); ``checkpoint``: the served model's
+        path or hub id (a token-map calibration reads its input embeddings there)."""
         fields = ("codec", "calibration", "ratio", "store", "chunk_tokens", "sinks")
         return {
+            "checkpoint": checkpoint,
             "config": {f: getattr(config, f) for f in fields},
             "namespace": namespace,
             "layout": layout.to_dict(),
@@ -70,7 +80,8 @@ class ChunkCodec:
         if config.codec == "identity":
             codecs = Codecs(config, None, None, setup["model"])
         else:
-            codecs = Codecs(config, load_calibration(config), RopeSpec.from_dict(setup["rope"]), setup["model"])
+            rope = RopeSpec.from_dict(setup["rope"])
+            codecs = Codecs(config, load_calibration(config), rope, setup["model"], setup.get("checkpoint"))
         codecs.check(layout)
         store = open_connector_store(config, setup["namespace"])
         return cls(codecs, layout, config.chunk_tokens, setup["model_id"], store)
@@ -106,9 +117,17 @@ class ChunkCodec:
             vs.append(v)
         return torch.stack(ks, dim=1), torch.stack(vs, dim=1)
 
-    def save(self, key: str, chunk: int, blocks: Sequence[torch.Tensor], clock: StageTimer) -> int | None:
+    def save(
+        self,
+        key: str,
+        chunk: int,
+        blocks: Sequence[torch.Tensor],
+        clock: StageTimer,
+        token_ids: Sequence[int] | None = None,
+    ) -> int | None:
         """Encode chunk ``chunk`` from its copied blocks and put it in the store under ``key``: the blob's bytes,
-        or None when the store did not take it."""
+        or None when the store did not take it. ``token_ids``: the chunk's token ids (needed when the calibration
+        carries a token map)."""
         n, lay, codecs = self.chunk_tokens, self.layout, self.codecs
         positions = torch.arange(chunk * n, (chunk + 1) * n, dtype=torch.int64)[None]
         with clock("gather"):
@@ -118,7 +137,8 @@ class ChunkCodec:
             if not codecs.post_rope:
                 keys = codecs.rope.invert(keys.float(), positions, lay.layers)
             kv = KVSlice(lay, keys.to(lay.torch_dtype), values.to(lay.torch_dtype), positions, model_id=self.model_id)
-            blob = codecs.codec(lay, chunk == 0).encode(kv)
+            ids = None if not token_ids else torch.tensor([list(token_ids)], dtype=torch.int64)
+            blob = codecs.codec(lay, chunk == 0).encode(kv, token_ids=ids)
         with clock("store"):
             stored = self.store.put(key, blob)
         return len(blob) if stored else None

@@ -37,6 +37,7 @@ class Codecs:
         calibration: Calibration | None,
         rope: RopeSpec | None,
         model: str = "the served model",
+        checkpoint: str | None = None,
     ) -> None:
         if config.codec == "kvtc" and (calibration is None or rope is None):
             raise ConfigError(
@@ -46,12 +47,17 @@ class Codecs:
         self.calibration = calibration
         self.rope = rope
         self.model = model
+        #: the served model's path or hub id: where a token-map calibration's input embeddings are read from
+        self.checkpoint = checkpoint
+        self._embeddings: torch.Tensor | None = None
         self._by_layout: dict[tuple[KVLayout, bool], Codec] = {}
         self._checked: dict[tuple, Calibration] = {}  # the checked calibration per model shape and heads
         self._warned = False  # the first chunk's sinks do not fit its budget (warned once)
 
     @classmethod
-    def for_model(cls, config: ConnectorConfig, hf_config: Any, model: str = "the served model") -> Codecs:
+    def for_model(
+        cls, config: ConnectorConfig, hf_config: Any, model: str = "the served model", checkpoint: str | None = None
+    ) -> Codecs:
         """The codecs of ``config`` for the model that ``hf_config`` (its transformers config) describes.
 
         For the kvtc codec: loads the calibration, checks that it holds a bit plan for ``ratio`` and that it was
@@ -68,7 +74,7 @@ class Codecs:
 
         calibration = load_calibration(config)
         layout, rope = describe_model(hf_config)  # the model's KV layers, heads, head_dim and RoPE
-        codecs = cls(config, calibration, rope, model)
+        codecs = cls(config, calibration, rope, model, checkpoint)
         codecs.check(layout)
         return codecs
 
@@ -80,7 +86,9 @@ class Codecs:
         """Build the codecs of ``layout`` (the model's, or the one this rank registered) now, refusing a
         calibration that does not fit it."""
         for first_chunk in (True, False):
-            self.codec(layout, first_chunk)
+            self.codec(layout, first_chunk, ready=False)
+        if self.calibration is not None and self.calibration.token_map is not None:
+            self._embedding_source()  # found, of the map's shape (read when a chunk is first coded)
 
     def _calibration_for(self, layout: KVLayout) -> Calibration:
         calib = self.calibration
@@ -99,7 +107,9 @@ class Codecs:
         self._checked[key] = calib
         return calib
 
-    def codec(self, layout: KVLayout, first_chunk: bool) -> Codec:
+    def codec(self, layout: KVLayout, first_chunk: bool, ready: bool = True) -> Codec:
+        """The codec of ``layout``'s first chunk or of a later one; ``ready``: with the model's input embeddings
+        when the calibration carries a token map (read from the checkpoint once)."""
         key = (layout, first_chunk)
         if key not in self._by_layout:
             if self.calibration is None:
@@ -109,7 +119,31 @@ class Codecs:
                 sinks = self.config.sinks if first_chunk else 0
                 ratio = self.first_chunk_ratio(calib) if sinks else self.config.ratio
                 self._by_layout[key] = Codec(calib, ratio=ratio, sinks=sinks, window=0, tiers=CONNECTOR_TIERS)
-        return self._by_layout[key]
+        codec = self._by_layout[key]
+        if ready and codec.needs_token_ids and self._embeddings is None:
+            path, name = self._embedding_source()
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                self._embeddings = f.get_tensor(name)
+        if ready and codec.needs_token_ids:
+            codec.use_embeddings(self._embeddings)
+        return codec
+
+    def _embedding_source(self) -> tuple[str, str]:
+        """The safetensors file and tensor name of the served model's input embeddings, found by name and shape
+        (``*embed_tokens.weight`` or another ``*embed*`` tensor of ``[vocab, E]``); a ConfigError otherwise."""
+        from .embeddings import find_input_embeddings
+
+        tm = self.calibration.token_map  # type: ignore[union-attr]
+        try:
+            return find_input_embeddings(self.checkpoint, (tm.vocab, tm.dim))
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{WHERE}: calibration={self.config.calibration!r} codes each token's K/V less a prediction from its "
+                f"token ids and needs {self.model}'s input embeddings [{tm.vocab}, {tm.dim}]: {e}; serve the model "
+                "from a local directory of safetensors, or calibrate with `kvtc calibrate --token-map off`"
+            ) from None
 
     def first_chunk_ratio(self, calib: Calibration) -> float:
         """The ratio a sequence's first chunk is coded at. Its raw sinks count against the chunk's budget, as every

@@ -117,7 +117,7 @@ class KVTCConnector(KVConnectorBase_V1, SupportsHMA):
         name = f"the served model {str(model.model)!r}"
         if getattr(model, "use_mla", False):
             raise mla_refused(name)
-        codecs = Codecs.for_model(self.config, model.hf_config, model=name)
+        codecs = Codecs.for_model(self.config, model.hf_config, model=name, checkpoint=str(model.model))
         self.setup = ConnectorSetup.from_vllm(self.config, vllm_config, codecs.calibration_hash, kv_cache_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

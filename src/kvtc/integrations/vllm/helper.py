@@ -164,9 +164,15 @@ class CodecProcess:
         self.has_layers = True
 
     # -- saving --------------------------------------------------------------------------------
-    def submit(self, key: str, chunk: int, sources: list[tuple[PagedLayout, torch.Tensor, Sequence[int]]]) -> bool:
+    def submit(
+        self,
+        key: str,
+        chunk: int,
+        sources: list[tuple[PagedLayout, torch.Tensor, Sequence[int]]],
+        token_ids: Sequence[int] = (),
+    ) -> bool:
         """Copy the chunk's blocks (``(paged layout, layer cache, block ids)`` per layer) into a shared-memory file
-        and queue it; False (dropped) when the queue is full or the process is gone."""
+        and queue it with its ``token_ids``; False (dropped) when the queue is full or the process is gone."""
         shapes = []
         for paged, cache, ids in sources:
             shape = list(cache.shape)
@@ -184,7 +190,7 @@ class CodecProcess:
             for (paged, cache, ids), out in zip(sources, _views(buf, parts)):
                 paged.copy_blocks(cache, ids, out=out)
             del buf
-            self._send({"save": key, "chunk": chunk, "file": path, "parts": parts})
+            self._send({"save": key, "chunk": chunk, "file": path, "parts": parts, "tokens": list(token_ids)})
         except OSError as e:
             with self._lock:
                 self._pending.pop(key, None)
@@ -334,7 +340,8 @@ def _serve(reply_fd: int, cpus: str, nice: int) -> None:
                 size = os.path.getsize(job["file"])
                 buf = torch.from_file(job["file"], shared=False, size=size, dtype=torch.uint8)
                 _unlink(job["file"])
-                out["bytes"] = codec.save(job["save"], job["chunk"], _views(buf, job["parts"]), clock)
+                views = _views(buf, job["parts"])
+                out["bytes"] = codec.save(job["save"], job["chunk"], views, clock, job.get("tokens"))
             except Exception as e:  # noqa: BLE001 - reported to the worker: a failed save is a future cache miss
                 out["error"] = f"{type(e).__name__}: {e}"
             out["seconds"] = clock.seconds

@@ -34,6 +34,8 @@ class StoreJob:
     key: str
     chunk: int
     block_ids: list[list[int]]  # per KV-cache group, at least up to the chunk's end
+    #: the chunk's token ids (a calibration with a token map codes each token less a prediction from them)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

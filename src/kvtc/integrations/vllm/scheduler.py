@@ -191,7 +191,8 @@ class SchedulerSide:
             self.bad.pop(key, None)  # stored again from this engine's own KV
             end = (c + 1) * self.chunk
             ids = [b[: (end + g.block_size - 1) // g.block_size] for g, b in zip(self.groups, state.block_ids)]
-            stores.append(StoreJob(req_id, key, c, ids))
+            tokens = [int(t) for t in state.request.all_token_ids[c * self.chunk : end]]
+            stores.append(StoreJob(req_id, key, c, ids, tokens))
 
     def worker_report(self, meta: KVTCWorkerMetadata | None, done_loads: set[str], failed_loads: set[str]) -> None:
         """What the workers reported this step (``update_connector_output``): entries that could not be restored

@@ -166,8 +166,9 @@ class WorkerSide:
         self.chunks = ChunkCodec(self.codecs, self.layout, self.setup.chunk, model_id, self.store)
         if self.background and self.helper is None:  # starts up (calibration, store) while the engine does
             setup = ChunkCodec.setup(
-                self.setup.config, namespace, self.layout, self.codecs.rope, self.codecs.model, model_id
-            )
+                self.setup.config, namespace, self.layout, self.codecs.rope, self.codecs.model, model_id,
+                self.codecs.checkpoint,
+            )  # fmt: skip
             self.helper = CodecProcess(setup, self._saved, self.max_pending_bytes)
         logger.info(
             "KVTCConnector: %d layers in %d KV-cache group(s)%s, heads %s of %d, %s split, chunk %d tokens, "
@@ -353,7 +354,7 @@ class WorkerSide:
                 with clock("read"):
                     sources = self._sources(job)
                     if self.helper is not None:
-                        queued = self.helper.submit(job.key, job.chunk, sources)
+                        queued = self.helper.submit(job.key, job.chunk, sources, job.token_ids)
                     else:
                         blocks = [p.copy_blocks(c, ids) for p, c, ids in sources]
             except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
@@ -409,7 +410,7 @@ class WorkerSide:
         """Encode and store one chunk here (no codec process)."""
         clock = _Timings()
         try:
-            size = self.chunks.save(job.key, job.chunk, blocks, clock)  # type: ignore[union-attr]
+            size = self.chunks.save(job.key, job.chunk, blocks, clock, job.token_ids)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
             self._saved(job.key, None, clock.seconds, f"{type(e).__name__}: {e}")
             return

@@ -1,0 +1,303 @@
+"""The token map: a linear prediction of every layer's pre-RoPE keys and values from the token ids.
+
+Whoever restores a reused prefix knows its token ids (it was found by them), and a token's K/V at every layer
+depend in large part on the token itself and the few before it (layer 0's wholly: they are a function of the token
+alone). A calibration may therefore carry a ridge regression from the model's input embeddings of tokens ``t``,
+``t - 1`` … ``t - lags + 1`` (standardised) to the flattened K and V of token ``t``; the codec then codes each
+middle token's K/V less that prediction, and adds it back on decode (:mod:`kvtc.codec.prediction`). On Gemma-3-270M
+this cuts held-out next-token KL at 64x by about 30% (BENCHMARKS.md, "coding each token's K/V less a prediction
+from its token ids"); on SmolLM2-135M the map explains too little to pay for itself, and calibration leaves it out
+(:data:`MIN_GAIN`).
+
+The map predicts the deviation of a token's K/V from the calibration rows' mean: on the rows it was fitted on its
+predictions average to zero, so the residuals keep the rows' mean, where the PCA centres.
+
+Tensors in a calibration file (format version 9): ``tokens.mean`` and ``tokens.std`` float32 ``[lags · E]`` (the
+standardisation of the features), ``tokens.keys`` and ``tokens.values`` float16 ``[lags · E, p]`` (the map) and
+``tokens.probe`` float32 ``[PROBE_ROWS, E]`` (the embedding rows :func:`probe_ids` names, to tell the model's
+embeddings from another's). They are part of the calibration's hash: a blob decodes only with the map that
+encoded it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CalibrationError, CalibrationMismatch
+
+#: tokens each prediction reads: the token and the two before it (Gemma-3-270M's full-attention keys want the
+#: previous tokens as an induction head does; a fourth and fifth overfit, BENCHMARKS.md)
+LAGS = 3
+#: ridge penalty, as a share of the mean diagonal of the standardised Gram matrix
+RIDGE = 0.1
+#: the least gain for which calibration keeps the map (``token_map="auto"``): the share of the distortion that
+#: coding the residuals saves against coding the K/V, at the rate of :data:`GAIN_RATIO` by reverse water-filling over
+#: the held-out rows' sensitivity-weighted spectra (mean over keys and values). The energy the map removes is no
+#: guide: SmolLM2-135M's removes about half, but in directions that are cheap to code anyway
+MIN_GAIN = 0.15
+#: the compression ratio at which the gain is measured
+GAIN_RATIO = 32
+#: the share of the calibration's token count the map is fitted on (at least one window, at most MAX_FIT_TOKENS)
+FIT_SHARE = 0.2
+MAX_FIT_TOKENS = 20_000
+#: the share of the fitting windows held out to measure the map's gain
+HOLDOUT_SHARE = 0.25
+#: embedding rows stored to recognise the model's embeddings
+PROBE_ROWS = 8
+KINDS = ("keys", "values")
+
+
+def probe_ids(vocab: int) -> torch.Tensor:
+    """The embedding rows a token map stores (:attr:`TokenMap.probe`): spread over the vocabulary."""
+    return torch.linspace(0, vocab - 1, PROBE_ROWS).round().long()
+
+
+def lagged(emb: torch.Tensor, ids: torch.Tensor, lags: int) -> torch.Tensor:
+    """``[B, T, lags · E]`` float32: the input embeddings of each token and of the ``lags - 1`` before it (zeros
+    before a sequence's first token), for ``ids`` ``[B, T]``."""
+    e = emb.detach()[ids.to(emb.device)].float()
+    parts = [e]
+    for j in range(1, lags):
+        parts.append(torch.nn.functional.pad(e[:, :-j], (0, 0, j, 0)) if e.shape[1] > j else torch.zeros_like(e))
+    return torch.cat(parts, -1)
+
+
+@dataclass
+class TokenMap:
+    """A calibration's token map (see the module docstring)."""
+
+    lags: int
+    vocab: int
+    mean: torch.Tensor
+    std: torch.Tensor
+    weights: dict[str, torch.Tensor]
+    probe: torch.Tensor
+    #: the held-out share of the (weighted) energy the map removed, per kind (statistics: not hashed)
+    gain: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._cache: dict[tuple[str, str, Any], torch.Tensor] = {}
+
+    @property
+    def dim(self) -> int:
+        """The embedding width ``E``."""
+        return int(self.probe.shape[1])
+
+    def validate(self, features: int) -> None:
+        f = self.lags * self.dim
+        if not 1 <= self.lags <= 16 or not 1 <= self.vocab <= 1 << 24 or self.probe.shape != (PROBE_ROWS, self.dim):
+            raise CalibrationError("token map: lags, vocabulary or probe rows out of range; the file is corrupt")
+        for name, t, shape, dtype in (
+            ("mean", self.mean, (f,), torch.float32),
+            ("std", self.std, (f,), torch.float32),
+            ("probe", self.probe, (PROBE_ROWS, self.dim), torch.float32),
+            *((kind, self.weights.get(kind), (f, features), torch.float16) for kind in KINDS),
+        ):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                raise CalibrationError(f"token map {name} must be {dtype} {list(shape)}; the file is corrupt")
+            if not bool(torch.isfinite(t).all()):
+                raise CalibrationError(f"token map {name} is not finite; the file is corrupt")
+        if not bool((self.std > 0).all()):
+            raise CalibrationError("token map standard deviations must be positive; the file is corrupt")
+
+    # ------------------------------------------------------------------ file
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"tokens.mean": self.mean, "tokens.std": self.std, "tokens.probe": self.probe}
+        out.update({f"tokens.{k}": self.weights[k] for k in KINDS})
+        return {n: t.contiguous() for n, t in out.items()}
+
+    def meta(self) -> dict[str, Any]:
+        return {"lags": self.lags, "vocab": self.vocab, "gain": {k: round(v, 6) for k, v in self.gain.items()}}
+
+    @classmethod
+    def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> TokenMap:
+        return cls(
+            lags=int(meta["lags"]),
+            vocab=int(meta["vocab"]),
+            mean=tensors["tokens.mean"],
+            std=tensors["tokens.std"],
+            weights={k: tensors[f"tokens.{k}"] for k in KINDS},
+            probe=tensors["tokens.probe"],
+            gain={str(k): float(v) for k, v in dict(meta.get("gain", {})).items()},
+        )
+
+    def columns(self, cols: torch.Tensor) -> TokenMap:
+        """The map of the features ``cols`` only (a tensor-parallel shard's)."""
+        return TokenMap(
+            self.lags, self.vocab, self.mean, self.std, {k: w[:, cols] for k, w in self.weights.items()}, self.probe,
+            dict(self.gain),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ use
+    def check_embeddings(self, emb: Any) -> torch.Tensor:
+        """``emb`` (the model's input embedding table ``[vocab, E]``) checked to be the one the map was fitted
+        with; raises :class:`~kvtc.errors.CalibrationMismatch` otherwise."""
+        if not isinstance(emb, torch.Tensor) or emb.dim() != 2:
+            raise CalibrationMismatch(
+                "this calibration codes K/V less a prediction from the token ids and needs the model's input "
+                "embeddings: pass embeddings=model.get_input_embeddings().weight"
+            )
+        if tuple(emb.shape) != (self.vocab, self.dim):
+            raise CalibrationMismatch(
+                f"the embeddings given are {list(emb.shape)}, the calibration's token map was fitted on "
+                f"[{self.vocab}, {self.dim}]: another model; use a calibration made for this model"
+            )
+        rows = emb.detach()[probe_ids(self.vocab).to(emb.device)].float().cpu()
+        err = float((rows - self.probe).norm() / self.probe.norm().clamp_min(1e-30))
+        if not err <= 1e-2:  # bf16 / fp16 copies of the same weights differ by < 0.5%
+            raise CalibrationMismatch(
+                "the embeddings given are not the ones the calibration's token map was fitted on (another model or "
+                "fine-tune); use a calibration made for this model"
+            )
+        return emb.detach()
+
+    def features(self, emb: torch.Tensor, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``[B, T, lags · E]`` standardised features of ``ids`` ``[B, T]`` on ``device``; ids outside the
+        vocabulary raise :class:`~kvtc.errors.CalibrationMismatch`."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            raise CalibrationMismatch(
+                f"token ids lie outside the model's vocabulary of {self.vocab}: they are not this model's tokens"
+            )
+        x = lagged(emb, ids, self.lags).to(device)
+        return (x - self._on("mean", device)) / self._on("std", device)
+
+    def predict(self, x: torch.Tensor, kind: str, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """``[..., len(cols)]`` float32: the prediction of features ``cols`` (default: all) of ``kind`` from
+        standardised features ``x`` ``[..., lags · E]``."""
+        w = self._on(kind, x.device)
+        if cols is not None:
+            w = w[:, cols.to(x.device)]
+        return x @ w
+
+    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """A float32 copy of a tensor on ``device``, made once."""
+        key = (name, str(device), None)
+        if key not in self._cache:
+            t = self.weights[name] if name in KINDS else getattr(self, name)
+            self._cache[key] = t.to(device=device, dtype=torch.float32)
+        return self._cache[key]
+
+
+class TokenMapFit:
+    """Streams windows (token ids and their K/V rows) into the moments a :class:`TokenMap` is solved from; the
+    last windows (``holdout``) are kept apart to measure the map's gain on rows it was not fitted on."""
+
+    def __init__(self, emb: torch.Tensor, features: int, lags: int = LAGS) -> None:
+        self.emb, self.lags, self.features = emb.detach(), lags, features
+        f = lags * emb.shape[1] + 1
+        self.parts = [self._zero(f), self._zero(f)]  # fitting, held out
+
+    def _zero(self, f: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"m": torch.zeros(f, f, dtype=torch.float64), "n": 0}
+        for k in KINDS:
+            out[k] = torch.zeros(f, self.features, dtype=torch.float64)
+            out[f"{k}.sum"] = torch.zeros(self.features, dtype=torch.float64)
+            out[f"{k}.sq"] = torch.zeros(self.features, dtype=torch.float64)
+        return out
+
+    def _yy(self, part: dict[str, Any], k: str, y: torch.Tensor) -> None:
+        if f"{k}.yy" not in part:
+            part[f"{k}.yy"] = torch.zeros(self.features, self.features, dtype=torch.float64)
+        part[f"{k}.yy"] += (y.T @ y).double()
+
+    def add(self, ids: torch.Tensor, rows: dict[str, torch.Tensor], first: int, held_out: bool = False) -> None:
+        """One window: ``ids`` ``[T]`` and its ``rows[kind]`` ``[T - first, p]`` (the rows of tokens ``first``
+        onwards)."""
+        x = lagged(self.emb, ids[None], self.lags)[0, first:].cpu()
+        a = torch.cat([x, torch.ones(x.shape[0], 1)], 1)
+        part = self.parts[int(held_out)]
+        part["m"] += (a.T @ a).double()
+        part["n"] += a.shape[0]
+        for k in KINDS:
+            y = rows[k].float().cpu()
+            part[k] += (a.T @ y).double()
+            part[f"{k}.sum"] += y.double().sum(0)
+            part[f"{k}.sq"] += y.double().square().sum(0)
+            if held_out:  # the held-out rows' second moments, for the gain's spectra
+                self._yy(part, k, y)
+
+    @staticmethod
+    def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        return {key: sum(p[key] for p in parts) for key in parts[0] if key in parts[1]}
+
+    def _solve(self, part: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
+        """(mean, std, weights per kind [F, p] float64, transform to the standardised design [z, 1])."""
+        n, m = part["n"], part["m"]
+        if n < 2:
+            raise CalibrationError("the token map needs at least two rows to fit; calibrate on more tokens")
+        f = m.shape[0] - 1
+        mu = m[-1, :f] / n
+        var = (m.diagonal()[:f] / n - mu.square()).clamp_min(0)
+        sd = var.sqrt().clamp_min(1e-6)
+        t = torch.zeros(f + 1, f + 1, dtype=torch.float64)  # [x, 1] @ t = [(x - mu) / sd, 1]
+        t[:f, :f] = torch.diag(1 / sd)
+        t[f, :f] = -mu / sd
+        t[f, f] = 1
+        g = t.T @ m @ t
+        g += RIDGE * g.diagonal().mean() * torch.eye(f + 1, dtype=torch.float64)
+        chol = torch.linalg.cholesky(g)
+        w = {k: torch.cholesky_solve(t.T @ part[k], chol) for k in KINDS}
+        # the intercept row is the predictions' mean over the fitting rows (the standardised features average to
+        # zero there): dropping it leaves the residuals centred on the rows' mean
+        return mu, sd, {k: v[:f] for k, v in w.items()}, t
+
+    def gain(self, scale: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:
+        """Per kind, the share of the distortion that coding the held-out rows less the map's prediction (the map
+        fitted on the other windows) saves against coding the rows, at :data:`GAIN_RATIO` (reverse water-filling
+        over each one's spectrum about the fitting rows' mean, features weighted by ``scale[kind]``), and the share
+        of their energy the map removes (``"{kind} energy"``)."""
+        fit, test = self.parts
+        if test["n"] == 0:
+            raise CalibrationError("no held-out window to measure the token map on; calibrate on more tokens")
+        _, _, w, t = self._solve(fit)
+        a_m = t.T @ test["m"] @ t  # sum over held-out rows of [z, 1]^T [z, 1]
+        f = a_m.shape[0] - 1
+        n = test["n"]
+        out = {}
+        for k in KINDS:
+            ybar = fit[f"{k}.sum"] / fit["n"]
+            s_y = test[f"{k}.sum"]
+            # sum over rows of (y - ybar)(y - ybar)^T, of z^T (y - ybar) and of (z w)^T (z w)
+            cyy = test[f"{k}.yy"] - torch.outer(ybar, s_y) - torch.outer(s_y, ybar) + n * torch.outer(ybar, ybar)
+            czy = (t.T @ test[k])[:f] - torch.outer(a_m[f, :f], ybar)
+            cross = w[k].T @ czy
+            crr = cyy - cross - cross.T + w[k].T @ a_m[:f, :f] @ w[k]
+            s = scale.get(k) if scale else None
+            if s is not None:
+                d = s.double()
+                cyy, crr = cyy * torch.outer(d, d), crr * torch.outer(d, d)
+            bits = 16 * self.features / GAIN_RATIO
+            d_rows = water_filling(torch.linalg.eigvalsh(cyy.float() / n).double(), bits)
+            d_res = water_filling(torch.linalg.eigvalsh(crr.float() / n).double(), bits)
+            out[k] = 1 - d_res / max(d_rows, 1e-30)
+            out[f"{k} energy"] = float(1 - crr.trace() / cyy.trace().clamp_min(1e-30))
+        return out
+
+    def result(self, vocab: int, gain: dict[str, float] | None = None) -> TokenMap:
+        """The map solved on every window, fitting and held out."""
+        mu, sd, w, _ = self._solve(self._merge(self.parts))
+        probe = self.emb[probe_ids(vocab).to(self.emb.device)].float().cpu()
+        return TokenMap(
+            self.lags, vocab, mu.float(), sd.float(), {k: v.to(torch.float16) for k, v in w.items()}, probe,
+            dict(gain or {}),
+        )  # fmt: skip
+
+
+def water_filling(eigenvalues: torch.Tensor, bits: float) -> float:
+    """The distortion of reverse water-filling ``bits`` over independent Gaussian components of variances
+    ``eigenvalues``: ``sum(min(ev, theta))`` with ``sum(max(0, log2(ev / theta) / 2)) = bits``."""
+    ev = eigenvalues.double().clamp_min(1e-20)
+    lo, hi = float(ev.min()) * 1e-12, float(ev.max())
+    for _ in range(200):  # bisection on log(theta)
+        mid = (lo * hi) ** 0.5
+        if float((0.5 * torch.log2(ev / mid)).clamp_min(0).sum()) > bits:
+            lo = mid
+        else:
+            hi = mid
+    return float(ev.clamp_max(hi).sum())
+
+
+__all__ = ["LAGS", "MIN_GAIN", "PROBE_ROWS", "TokenMap", "TokenMapFit", "lagged", "probe_ids"]
