@@ -77,9 +77,11 @@ def ladder_sweep(
             for v in variants:
                 label = select(v)
                 for r in ratios:
-                    codec = Codec(cal, r, sinks=4, window=128)
+                    emb = model.get_input_embeddings().weight  # for a calibration with a token map
+                    codec = Codec(cal, r, sinks=4, window=128, embeddings=emb)
                     key = f"{w.text} {label} {r:g}x"
-                    kls.setdefault(key, []).append(kl(model, w, codec.decode(codec.encode(w.kv))))
+                    blob = codec.encode(w.kv, token_ids=w.context[None])
+                    kls.setdefault(key, []).append(kl(model, w, codec.decode(blob)))
                     print(key, f"{kls[key][-1]:.5f}", flush=True)
     return kls, cal
 

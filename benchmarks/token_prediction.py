@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
                     model,
                     tok,
                     assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR),
-                    Recipe(),
+                    Recipe(token_map="off"),  # r14: this study applies its own map
                     model_id=cal.model_id,
                     corpus={"name": "sotu-pre2000", "residuals": f"token embeddings, {args.lags} lags"},
                     progress=False,

@@ -61,7 +61,7 @@ def test_architecture_round_trips_through_a_calibrated_blob(name):
     exact = restore_cache(compress_cache(cache, model, Codec.identity(), dtype=None), model)
     assert torch.allclose(next_logits(model, exact, step), want, atol=1e-5), name
 
-    blob = compress_cache(cache, model, Codec(cal, 4, sinks=4, window=WINDOW), dtype=None)
+    blob = compress_cache(cache, model, Codec(cal, 4, sinks=4, window=WINDOW), dtype=None, input_ids=ids)
     info = Codec.inspect(blob)
     held = {i: int(cache.layers[li].keys.shape[2]) for i, li in enumerate(TINY[name].kv_layers)}
     assert sorted(h for sp in info["spans"] for h in [sp["held"]] * len(sp["layers"])) == sorted(held.values())

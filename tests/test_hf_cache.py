@@ -175,7 +175,7 @@ def test_smollm2_16x_ratio_and_continuation(smollm2, heldout, context_cache, sma
     model, _ = smollm2
     _, continuation = heldout
     adapter, builds = adapter_for(model), ModelAdapter.builds
-    blob = compress_cache(context_cache, model, calibration=small_calibration, ratio=16)
+    blob = compress_cache(context_cache, model, calibration=small_calibration, ratio=16, input_ids=heldout[0])
     info = Codec.inspect(blob)
     print(
         f"16x on 2,048 held-out tokens: codec ratio {info['codec_ratio']:.2f}, whole-cache ratio "
@@ -200,13 +200,13 @@ def test_smollm2_16x_ratio_and_continuation(smollm2, heldout, context_cache, sma
 # ---------------------------------------------------------------------------------------- refusals
 
 
-def test_calibration_of_another_model_is_refused(smollm2, small_calibration, context_cache):
+def test_calibration_of_another_model_is_refused(smollm2, small_calibration, context_cache, heldout):
     tiny = build("llama")
     with torch.no_grad():
         tiny_cache = tiny(torch.randint(3, 128, (1, 8)), use_cache=True).past_key_values
     with pytest.raises(CalibrationMismatch, match="use a calibration made for this model"):
         compress_cache(tiny_cache, tiny, calibration=small_calibration)
-    blob = compress_cache(context_cache, smollm2[0], calibration=small_calibration, ratio=32)
+    blob = compress_cache(context_cache, smollm2[0], calibration=small_calibration, ratio=32, input_ids=heldout[0])
     with pytest.raises(CalibrationMismatch, match="made for another model"):
         restore_cache(blob, tiny, small_calibration)
     with pytest.raises(LayoutError, match="is not this model's"):  # an identity blob has no calibration to check
@@ -215,7 +215,7 @@ def test_calibration_of_another_model_is_refused(smollm2, small_calibration, con
         restore_cache(blob, smollm2[0])
 
 
-def test_model_with_other_rope_is_refused(smollm2, small_calibration, context_cache):
+def test_model_with_other_rope_is_refused(smollm2, small_calibration, context_cache, heldout):
     model, _ = smollm2
     config = copy.deepcopy(model.config)
     config.rope_parameters = {**config.rope_parameters, "rope_theta": 10_000.0}
@@ -223,14 +223,14 @@ def test_model_with_other_rope_is_refused(smollm2, small_calibration, context_ca
         other = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with pytest.raises(CalibrationMismatch, match="RoPE"):
         compress_cache(context_cache, other, calibration=small_calibration)
-    blob = compress_cache(context_cache, model, calibration=small_calibration, ratio=32)
+    blob = compress_cache(context_cache, model, calibration=small_calibration, ratio=32, input_ids=heldout[0])
     with pytest.raises(CalibrationMismatch, match="RoPE"):
         restore_cache(blob, other, small_calibration)
 
 
 @pytest.fixture(scope="module")
-def blob_32x(smollm2, small_calibration, context_cache):
-    return compress_cache(context_cache, smollm2[0], calibration=small_calibration, ratio=32)
+def blob_32x(smollm2, small_calibration, context_cache, heldout):
+    return compress_cache(context_cache, smollm2[0], calibration=small_calibration, ratio=32, input_ids=heldout[0])
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip_section", "flip_header", "empty"])

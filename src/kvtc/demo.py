@@ -113,7 +113,11 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
 
     args.out.mkdir(parents=True, exist_ok=True)
     paths = {r: args.out / f"kvtc-demo-{r:g}x.kvtc" for r in args.ratios}
-    methods = [KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=model_id, store=_through_file(paths[r])) for r in args.ratios]
+    emb = model.get_input_embeddings().weight  # for a calibration with a token map (README step 7)
+    methods = [
+        KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=model_id, store=_through_file(paths[r]), embeddings=emb)
+        for r in args.ratios
+    ]
     with timer("storage round trip: prefill, compress, save, load, decode, score"):
         with bar(len(methods) + 1, "storage round trip") as progress:
             tallies = storage_roundtrip(model, window, methods, args.context, SINKS, WINDOW, progress)

@@ -57,6 +57,7 @@ from .meta import (
 from .pca import PCAResult
 from .plan import Plan
 from .token_map import TokenMap
+from .validation import shard, validate
 
 KINDS = ("keys", "values")
 
@@ -166,63 +167,9 @@ class Calibration:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if set(self.pcas) != set(KINDS):
-            raise CalibrationError(f"calibration must have PCAs for {KINDS}, has {sorted(self.pcas)}")
-        ngroups = len(self._columns)
-        for kind in KINDS:
-            if len(self.pcas[kind]) != ngroups:
-                raise CalibrationError(f"{kind}: {len(self.pcas[kind])} PCA groups, grouping implies {ngroups}")
-            for g, (pca, cols) in enumerate(zip(self.pcas[kind], self._columns)):
-                pg = cols.numel()
-                if pca.mean.shape != (pg,) or pca.basis.dim() != 2 or pca.basis.shape[1] != pg:
-                    raise CalibrationError(
-                        f"{kind} group {g}: basis must be [k, {pg}] and mean [{pg}], got "
-                        f"{tuple(pca.basis.shape)} and {tuple(pca.mean.shape)}"
-                    )
-                if pca.basis.shape[0] > pg or pca.basis.shape[0] == 0:
-                    raise CalibrationError(f"{kind} group {g}: basis has {pca.basis.shape[0]} rows for p={pg}")
-                if pca.scale is not None and pca.scale.shape != (pg,):
-                    raise CalibrationError(f"{kind} group {g}: feature scale must be [{pg}]")
-                for name, t in (("mean", pca.mean), ("basis", pca.basis), ("eigenvalues", pca.eigenvalues)):
-                    if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
-                        raise CalibrationError(f"{kind} group {g}: {name} must be finite float32")
-        for key, by_kind in self.plans.items():
-            if set(by_kind) != set(KINDS):
-                raise CalibrationError(f"ratio {key}: plans must cover {KINDS}")
-            for kind in KINDS:
-                if len(by_kind[kind]) != ngroups:
-                    raise CalibrationError(f"ratio {key} {kind}: {len(by_kind[kind])} plans for {ngroups} groups")
-                for g, plan in enumerate(by_kind[kind]):
-                    if plan.num_components > self.pcas[kind][g].basis.shape[0]:
-                        raise CalibrationError(
-                            f"ratio {key} {kind} group {g}: plan needs more components than the basis"
-                        )
-        if (self.queries is None) != (self.query_scales is None):
-            raise CalibrationError("mean queries and their logit scales come together")
-        if self.queries is not None:
-            lay, q, sc = self.layout, self.queries, self.query_scales
-            if q.dim() != 4 or q.shape[:2] != (len(lay.layers), len(lay.heads)) or q.shape[3] != lay.head_dim:
-                raise CalibrationError(
-                    f"mean queries must be [{len(lay.layers)}, {len(lay.heads)}, G, {lay.head_dim}], got {tuple(q.shape)}"
-                )
-            if not 1 <= q.shape[2] <= 1 << 10 or sc.shape != (len(lay.layers),):
-                raise CalibrationError("mean queries: query heads per KV head or logit scales out of shape")
-            for name, t in (("mean queries", q), ("query logit scales", sc)):
-                if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
-                    raise CalibrationError(f"{name} must be finite float32")
-            if not bool((sc > 0).all()):
-                raise CalibrationError("query logit scales must be positive")
-            m = self.query_map
-            if m is not None:
-                want = (len(lay.layers), len(lay.heads), lay.head_dim + 1, q.shape[2] * lay.head_dim)
-                if tuple(m.shape) != want:
-                    raise CalibrationError(f"key-to-query map must be {list(want)}, got {list(m.shape)}")
-                if m.dtype != torch.float32 or not bool(torch.isfinite(m).all()):
-                    raise CalibrationError("key-to-query map must be finite float32")
-        elif self.query_map is not None:
-            raise CalibrationError("a key-to-query map comes with the mean queries")
-        if self.token_map is not None:
-            self.token_map.validate(self.layout.num_features)
+        """Every tensor's shape, dtype and finiteness against the layout and grouping, every plan against its basis
+        (:func:`~kvtc.calibration.validation.validate`); raises :class:`CalibrationError`."""
+        validate(self)
 
     # ------------------------------------------------------------------ serialisation
     @property
@@ -452,55 +399,10 @@ class Calibration:
 
     # ------------------------------------------------------------------ derived calibrations
     def shard(self, heads: tuple[int, ...]) -> Calibration:
-        """The calibration of a tensor-parallel rank holding ``heads``.
+        """The calibration of a tensor-parallel rank holding ``heads`` (:func:`~kvtc.calibration.validation.shard`).
 
         Only possible when every PCA group lies within the shard (``PCAGrouping("head_shards", n)``)."""
-        layout = self.layout.shard(heads)
-        sub_cols = {c for layer in layout.layers for h in layout.heads for c in self.layout.pair_columns(layer, h)}
-        keep = [g for g, cols in enumerate(self._columns) if set(cols.tolist()) <= sub_cols]
-        if sum(self._columns[g].numel() for g in keep) != len(sub_cols):
-            raise CalibrationMismatch(
-                f"heads {heads} cut across this calibration's PCA groups ({self.grouping.kind}); "
-                "calibrate with head_shards grouping matching the tensor-parallel size"
-            )
-        n = len(keep)
-        grouping = PCAGrouping("head_shards", n) if n > 1 else PCAGrouping("global")
-        sub = Calibration(
-            layout=layout,
-            grouping=grouping,
-            pcas={k: [self.pcas[k][g] for g in keep] for k in KINDS},
-            plans={r: {k: [by[k][g] for g in keep] for k in KINDS} for r, by in self.plans.items()},
-            rope=self.rope,
-            model_id=self.model_id,
-            corpus=self.corpus,
-            stats={**self.stats, "sharded_from": self.hash},
-            library_version=self.library_version,
-            queries=None if self.queries is None else self.queries[:, [self.layout.heads.index(h) for h in heads]],
-            query_scales=self.query_scales,
-            query_map=None
-            if self.query_map is None
-            else self.query_map[:, [self.layout.heads.index(h) for h in heads]],
-            token_map=None
-            if self.token_map is None
-            else self.token_map.columns(
-                torch.tensor([c for li in layout.layers for h in layout.heads for c in self.layout.pair_columns(li, h)])
-            ),
-        )
-        if [c.tolist() for c in sub.columns] != [_remap(self.layout, layout, self._columns[g]) for g in keep]:
-            raise CalibrationMismatch("head shard order does not match the calibration's groups")
-        return sub
-
-
-def _remap(full: KVLayout, part: KVLayout, cols: torch.Tensor) -> list[int]:
-    """Columns of ``full`` re-expressed in the feature row of ``part``."""
-    out = []
-    d = full.head_dim
-    for c in cols.tolist():
-        pair = c // d
-        layer = full.layers[pair // len(full.heads)]
-        head = full.heads[pair % len(full.heads)]
-        out.append(part.pair_columns(layer, head)[c % d])
-    return out
+        return shard(self, heads)
 
 
 def _short(layers: tuple[int, ...]) -> str:

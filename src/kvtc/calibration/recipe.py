@@ -263,8 +263,8 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: weighting.
 #: r14: r13 with each plan's stored size measured as the encoder now stores it, fixed-step planes under their
 #: components' Gaussians (``coder="gauss"``); r14u without weighting.
-#: r15 (now the default): r14 plus the token map where it pays (``token_map="auto"``: Gemma-3-270M gets one,
-#: SmolLM2-135M does not, and its r15 calibration holds the same tensors and plans as r14); r15u without weighting.
+#: r15 (now the default): r14 plus the token map where it pays (``token_map="auto"``: Gemma-3-270M and SmolLM2-135M
+#: both keep it); r15u without weighting.
 _R14 = {"token_map": "off"}
 _R13 = {"coder": "zstd", **_R14}
 _R12 = {"ratios": R12_RATIOS, **_R13}

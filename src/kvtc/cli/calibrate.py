@@ -95,7 +95,7 @@ def add_calibrate(sub: Any) -> None:
         default="auto",
         help="code each token's K/V less a linear prediction from its token ids (the blob then carries the ids, and "
         "encoding and decoding need the model's input embeddings): auto (default) fits the map and keeps it where "
-        "it saves enough distortion on held-out windows (Gemma-3-270M: kept; SmolLM2-135M: left out); on; off",
+        "it saves enough distortion on held-out windows (Gemma-3-270M and SmolLM2-135M: kept); on; off",
     )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
@@ -184,11 +184,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print("  mean queries: not recorded (one plan for every middle token)")
     notes = cal.corpus.get("token_map") or {}
     if cal.token_map is not None:
-        print(
-            f"  token map: kept ({cal.token_map.lags} tokens per prediction; saves "
-            f"{100 * (cal.token_map.gain.get('keys', 0) + cal.token_map.gain.get('values', 0)) / 2:.0f}% of the "
-            "distortion on held-out windows): blobs carry the token ids"
-        )
+        g = cal.token_map.gain
+        saves = f"; saves {50 * (g['keys'] + g['values']):.0f}% of the distortion" if "keys" in g else ""
+        print(f"  token map: kept ({cal.token_map.lags} tokens per prediction{saves}): blobs carry the token ids")
     elif notes.get("gain"):
         g = notes["gain"]
         print(f"  token map: left out (would save {100 * (g['keys'] + g['values']) / 2:.0f}% of the distortion)")

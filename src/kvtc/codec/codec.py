@@ -43,7 +43,7 @@ from . import attention, budget, container, gpu_write, info, ladder, prediction,
 from .buffers import device_bytes, host_bytes, le_bytes
 from .clock import Clock, stage_clock
 from .decoding import DIRECT_MIN_TOKENS, Decoding
-from .entropy import DEFAULT_BACKEND, Int64s, Precoded, device_coder, get_backend
+from .entropy import DEFAULT_BACKEND, Int64s, Precoded, device_coder, encode_stream, get_backend
 from .packing import PACKINGS
 from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from .tiers import resolve as resolve_tiers
@@ -198,13 +198,16 @@ class Codec(Decoding):
         budget.check_sparsity(header)
         exact = kv  # the attention the ladder weighs tokens by is the exact keys'
         payloads: list[tuple[str, Any]] = [("positions", Int64s(le_bytes(kv.positions)))]
+        reserve = 0.0  # bytes beyond what the plans count: the token ids of a version-5 blob, as they will be coded
         if self.needs_token_ids and header.middle_tokens:
             ids = prediction.check_ids(kv.token_ids if token_ids is None else token_ids, B, T)
             token_map, emb = self._token_map()
             header.predicted = True
             with clock("predict"):
                 kv = prediction.shift(kv, header, token_map, emb, ids, -1.0)
-            payloads.append((prediction.SECTION, prediction.ids_bytes(ids)))
+            data = prediction.ids_bytes(ids)
+            reserve = float(len(encode_stream(data, self.backend)[1]))
+            payloads.append((prediction.SECTION, data))
         for kind, t in (("keys", kv.keys), ("values", kv.values)):
             prot = spans.protected(t, header)
             payloads.append((f"raw.{kind}", device_bytes(prot) if self._on_fused_device(prot) else le_bytes(prot)))
@@ -241,7 +244,7 @@ class Codec(Decoding):
                 else:
                     payloads.extend(self._encode_rows(kind, group_rows, clock, masks))
             if mass is not None:
-                payloads.extend(ladder.encode(self, ladder_rows, middles, mass, header, clock))
+                payloads.extend(ladder.encode(self, ladder_rows, middles, mass, header, clock, reserve))
         with clock("entropy"):
             coder = device_coder(self.backend, self.device) if self._fused else None
             if (

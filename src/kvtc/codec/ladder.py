@@ -42,6 +42,7 @@ def encode(
     mass: torch.Tensor,
     header: container.Header,
     clock: Clock,
+    reserve: float = 0.0,
 ) -> list[tuple[str, Any]]:
     """Sections of each kind and PCA group of a rate-ladder blob (kind-major, as a plain blob orders them): the
     rung of each row (``rungs.{kind}.{g}``), chosen by :func:`kvtc.codec.tiers.allocate` from each row's error
@@ -51,7 +52,8 @@ def encode(
     by default one for the whole blob, so that all its rows store what the target's plans store for them), each
     kind's error in the units :func:`kvtc.codec.tiers.kind_weight` gives. ``group_rows``: each kind's rows
     ``[n, features]`` per group (None: the group codes no token); ``mass``: ``[B, L, T]`` attention each token
-    receives. Fills ``header.rung_counts``."""
+    receives; ``reserve``: bytes the blob stores beyond what the plans' budgets count (a version-5 blob's token ids),
+    taken from every group's goal in proportion. Fills ``header.rung_counts``."""
     cal = codec.calibration
     assert cal is not None and codec.ladder is not None and header.rung_counts is not None
     layouts = [plan_layouts(cal, r) for r in codec.ladder]
@@ -75,6 +77,9 @@ def encode(
             bf16 = 2 * cols.numel()
             goal = coeffs.shape[0] * tiers.kind_cost(cal, target, kind, g) * bf16 * (1 - tiers.LADDER_HEADROOM)
             todo.append((g, kind, coeffs, pls, errs, costs * bf16, goal))
+    total = sum(t[6] for t in todo)
+    if reserve and total > 0:  # the blob's other sections count against the same target
+        todo = [(*t[:6], t[6] * max(0.0, 1 - reserve / total)) for t in todo]
     scope = {"kind": lambda t: (t[0], t[1]), "group": lambda t: t[0], "all": lambda t: 0}[tiers.LADDER_PRICE]
     done: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]] = {}
     for sc in dict.fromkeys(scope(t) for t in todo):

@@ -45,6 +45,7 @@ from ..progress import StageTimer
 from ..progress import bar as progress_bar
 from .hf import describe_model, extract_slice, rebuild_cache
 from .hf.queries import recording_queries
+from .hf_token_map import fit_token_map, token_map_windows
 
 log = logging.getLogger(__name__)
 
@@ -170,68 +171,6 @@ def collect_rows(
             f"the corpus gave only {done} calibration tokens of the {tokens} asked for; "
             "add more text or ask for fewer tokens"
         )
-
-
-def fit_token_map(
-    model: Any,
-    tokenizer: Any,
-    texts: Sequence[str],
-    recipe: Recipe,
-    feature_scale: dict[str, torch.Tensor] | None = None,
-    progress: bool = True,
-) -> tuple[TokenMap | None, dict[str, Any]]:
-    """The token map of ``recipe.token_map`` (:mod:`kvtc.calibration.token_map`) and notes on it: fitted on windows
-    of ``texts`` other than the calibration rows' (seeded with ``recipe.seed + 2``), the last of them held out to
-    measure its gain; ``"auto"`` keeps it only when the gain reaches :data:`~kvtc.calibration.token_map.MIN_GAIN`."""
-    from transformers import DynamicCache
-
-    from ..calibration import token_map as tm
-
-    if recipe.token_map == "off":
-        return None, {"method": "off"}
-    t0 = time.perf_counter()
-    layout, _ = describe_model(model)
-    emb = model.get_input_embeddings().weight.detach()
-    per = recipe.window - recipe.sinks
-    count = max(2, min(-(-int(recipe.tokens * tm.FIT_SHARE) // per), -(-tm.MAX_FIT_TOKENS // per)))
-    held = max(1, round(count * tm.HOLDOUT_SHARE))
-    fit = tm.TokenMapFit(emb.float(), layout.num_features)
-    device = next(model.parameters()).device
-    bar = progress_bar(count, "token map windows", progress, unit="window")
-    done = 0
-    try:
-        for ids in corpus_windows(tokenizer, texts, recipe.window, count, recipe.sampling, recipe.seed + 2):
-            with torch.inference_mode():
-                cache = DynamicCache()
-                model.get_decoder()(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
-            kv = extract_slice(cache, model, every_token=True)
-            rows = {
-                kind: t[0, recipe.sinks :].reshape(-1, layout.num_features)
-                for kind, t in (("keys", kv.keys), ("values", kv.values))
-            }
-            fit.add(ids, rows, recipe.sinks, held_out=done >= count - held)
-            done += 1
-            bar.update(1)
-    finally:
-        bar.close()
-    if done < 2:
-        raise CalibrationError("the corpus holds too few windows to fit the token map; add text or use token_map='off'")
-    gain = fit.gain(feature_scale)
-    mean_gain = (gain["keys"] + gain["values"]) / 2
-    keep = recipe.token_map == "on" or mean_gain >= tm.MIN_GAIN
-    notes = {
-        "method": recipe.token_map,
-        "kept": keep,
-        "gain": {k: round(v, 4) for k, v in gain.items()},
-        "min_gain": tm.MIN_GAIN,
-        "windows": done,
-        "held_out": held,
-    }
-    log.info("calibration: token map saves %.0f%% of the distortion on held-out windows (%s)", 100 * mean_gain,
-             "kept" if keep else "left out")  # fmt: skip
-    result = fit.result(emb.shape[0], gain) if keep else None
-    notes["seconds"] = round(time.perf_counter() - t0, 3)
-    return result, notes
 
 
 def measure_sensitivity(
@@ -372,7 +311,11 @@ def calibrate_model(
             measured, resolution=recipe.sensitivity_resolution, normalize=normalize, floor=recipe.sensitivity_floor,
             seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
-    token_map, map_notes = fit_token_map(model, tokenizer, texts, recipe, feature_scale, progress)
+    token_map, map_notes = None, {"method": "off"}
+    if recipe.token_map != "off":  # on windows other than the rows' (seed + 2)
+        count = token_map_windows(recipe)
+        windows = corpus_windows(tokenizer, texts, recipe.window, count, recipe.sampling, recipe.seed + 2)
+        token_map, map_notes = fit_token_map(model, windows, count, recipe, feature_scale, progress)
     rows = collect_rows(
         model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed,
         token_map,
