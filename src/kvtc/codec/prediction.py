@@ -63,6 +63,8 @@ def read_ids(blob: Any, header: Header, body: int) -> torch.Tensor:
     chunks, _ = container.section_chunks(blob, header, body)
     for s, chunk in zip(header.sections, chunks):
         if s.name == SECTION:
+            if s.raw != 4 * header.batch * header.tokens:  # checked before anything is decoded or allocated
+                raise FormatError(f"section {SECTION}: {s.raw} bytes declared for {header.batch}x{header.tokens} ids")
             if zlib.crc32(chunk) != s.crc32:
                 raise FormatError(f"section {SECTION}: checksum mismatch; the blob is corrupt")
             return section_ids(decode_stream(bytes(chunk), s.backend, s.raw, None), header)
