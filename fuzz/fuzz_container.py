@@ -370,6 +370,8 @@ def seal(header: bytes, body: bytes, version: int = 1, flags: int = 0) -> bytes:
 
 
 def _dump(d: Any, rng: random.Random) -> bytes:
+    if rng.random() < 0.85:  # as kvtc writes it; the rest exercises the refusal of other spellings
+        return json.dumps(d, separators=(",", ":"), sort_keys=True).encode("utf-8", "surrogatepass")
     compact = rng.random() < 0.7
     return json.dumps(
         d, separators=(",", ":") if compact else None, sort_keys=rng.random() < 0.5, ensure_ascii=rng.random() < 0.8

@@ -1,9 +1,12 @@
-"""Decoding budget: a blob that declares far more decoded bytes than it can honestly hold is refused with a
-FormatError before anything large is allocated (peak memory growth < 64 MiB, < 1 s), whatever its payloads.
+"""The decoding allowance (docs/FORMAT.md, "Decoding allowance"): what a blob may cost to decode comes from facts the
+decoder checked against the calibration and from the blob's own bytes; no header field can raise it.
 
-The hostile blobs are real containers with valid checksums and the real calibration hash of the checked-in
-fixture calibration: made by the encoder itself from an all-zero cache (zstd shrinks its streams to almost
-nothing), or a real blob whose header declares a larger batch and token count, re-sealed with a valid CRC.
+For every encode mode (identity, one plan, two tiers, rate ladder, token map: container versions 1 and 3-5) a real
+blob's header is forged, one field that enters the allowance at a time (batch, tokens, sinks and window, ratio,
+tier names and share, rungs and their counts, the token-id flag, section sizes, the pad section), and its sections
+are replaced by honest zstd streams of zeros of exactly the sizes the forged header implies, checksums valid: the
+most a writer of a shared store can do. Every such blob is refused with a FormatError before anything large is
+allocated (< 1 s, < 64 MiB more resident memory), for ``decode`` and ``decode_layers`` alike.
 """
 
 from __future__ import annotations
@@ -17,20 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kvtc import KVSlice
 from kvtc.calibration import Calibration
 from kvtc.codec import Codec, budget, container
-from kvtc.errors import FormatError
+from kvtc.codec.header import PAD_SECTION, canonical_ratio, parse_header
+from kvtc.errors import CalibrationMismatch, FormatError
+from test_tiers import tiered_calibration, tiered_slice
 
 FIX = Path(__file__).parent / "fixtures"
 PREFIX = struct.Struct("<4sHHII")
 _HWM = re.compile(rb"VmHWM:\s+(\d+) kB")
-
-
-@pytest.fixture(scope="module")
-def cal() -> Calibration:
-    return Calibration.load(FIX / "calibration.safetensors")
 
 
 def _reset_hwm() -> bool:
@@ -49,7 +50,7 @@ def _hwm() -> int:
 
 
 def _refused_cheaply(codec: Codec, blob: bytes) -> str:
-    """Decode ``blob``, expecting a FormatError; assert the attempt's peak memory growth and time."""
+    """Decode ``blob`` both ways, expecting a FormatError; assert the attempts' peak memory growth and time."""
     can_measure = _reset_hwm()
     base = _hwm()
     t0 = time.perf_counter()
@@ -65,21 +66,13 @@ def _refused_cheaply(codec: Codec, blob: bytes) -> str:
     return str(err.value)
 
 
-def _zero_slice(cal: Calibration, batch: int, tokens: int) -> KVSlice:
-    lay = cal.layout
-    shape = (batch, tokens, len(lay.layers), len(lay.heads), lay.head_dim)
-    zeros = torch.zeros(shape, dtype=torch.bfloat16)
-    positions = torch.arange(tokens).expand(batch, tokens).contiguous()
-    return KVSlice(lay, zeros, zeros.clone(), positions, model_id="fixture")
+def _canonical(d: dict) -> bytes:
+    return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
 
-def _reseal(blob: bytes, **fields) -> bytes:
-    """The blob with header fields replaced and a valid header CRC (its sections unchanged)."""
-    _, version, flags, hlen, _ = PREFIX.unpack_from(blob, 0)
-    head = json.loads(blob[PREFIX.size : PREFIX.size + hlen])
-    head.update(fields)
-    raw = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
-    return PREFIX.pack(b"KVTC", version, flags, len(raw), zlib.crc32(raw)) + raw + blob[PREFIX.size + hlen :]
+def _seal(d: dict, body: bytes, version: int) -> bytes:
+    raw = _canonical(d)
+    return PREFIX.pack(b"KVTC", version, 0, len(raw), zlib.crc32(raw)) + raw + body
 
 
 def _zeros_frame(n: int) -> bytes:
@@ -95,69 +88,200 @@ def _zeros_frame(n: int) -> bytes:
     return b"".join(parts) + comp.flush()
 
 
-def _inflated(codec: Codec, blob: bytes, batch: int, tokens: int) -> bytes:
-    """A well-formed blob for ``batch`` x ``tokens`` tokens: the real blob's header with larger counts and
-    every section an honest zstd stream of zeros of exactly the size the decoder expects, checksums valid."""
-    fields = {"batch": batch, "tokens": tokens}
-    if codec.mode == "identity":  # every token of an identity blob is stored raw: its window covers them all
-        fields.update(sinks=0, window=tokens)
-    header, _ = container.read_header(_reseal(blob, **fields))
-    expected = codec._expected_sections(header)
-    frames = {name: _zeros_frame(n) for name, n in expected.items()}
-    sections = [[name, "zstd", expected[name], len(f), zlib.crc32(f)] for name, f in frames.items()]
-    return _reseal(blob, **fields, sections=sections)[: -sum(s.coded for s in header.sections) or None] + b"".join(
-        frames.values()
-    )
+def _split(blob: bytes) -> tuple[dict, int, bytes]:
+    _, version, _, hlen, _ = PREFIX.unpack_from(blob, 0)
+    return json.loads(blob[PREFIX.size : PREFIX.size + hlen]), version, blob[PREFIX.size + hlen :]
 
 
-@pytest.mark.parametrize("mode", ["kvtc", "identity"])
-def test_zstd_blob_declaring_1000x_is_refused(cal, mode):
-    codec = Codec(cal, ratio=8, sinks=2, window=4) if mode == "kvtc" else Codec.identity(backend="zstd")
-    honest = codec.encode(_zero_slice(cal, batch=1, tokens=40))
-    assert codec.decode(honest).keys.shape[1] == 40
-    for batch, tokens in ((1, 1 << 16), (4, 1 << 18)):
-        blob = _inflated(codec, honest, batch, tokens)
-        header, _ = container.read_header(blob)
-        declared = budget.decoded_bytes(header)
-        assert declared >= 1000 * len(blob), (declared, len(blob))
-        msg = _refused_cheaply(codec, blob)
-        assert "decoded bytes" in msg and "hostile" in msg
+def forged(codec: Codec, blob: bytes, edit) -> bytes:
+    """``blob`` with its header changed by ``edit`` and every section an honest zstd stream of zeros of exactly the
+    size the changed header implies (the old sections where it implies none that the decoder accepts)."""
+    d, version, body = _split(blob)
+    edit(d)
+    try:
+        expected = codec._expected_sections(parse_header(d))
+    except (
+        FormatError,
+        KeyError,
+    ):  # the forged fields contradict each other or the calibration: the decoder refuses them whatever the sections
+        return _seal(d, body, version)
+    frames = {name: _zeros_frame(n) if n else b"" for name, n in expected.items()}
+    d["sections"] = [
+        [name, "zstd" if f else "raw", expected[name], len(f), zlib.crc32(f)] for name, f in frames.items()
+    ]
+    return _seal(d, b"".join(frames.values()), version)
 
 
-@pytest.mark.parametrize("backend", ["zstd", "raw"])
-def test_header_declaring_a_huge_slice_is_refused_before_allocation(cal, backend):
-    codec = Codec(cal, ratio=8, sinks=2, window=4, backend=backend)
+# ------------------------------------------------------------------ one real blob of every encode mode
+def _fixture_slice(cal: Calibration, tokens: int = 64, seed: int = 0) -> KVSlice:
     lay = cal.layout
-    n = 40
-    kv = KVSlice(
-        lay,
-        torch.randn(1, n, 2, 2, 8).bfloat16(),
-        torch.randn(1, n, 2, 2, 8).bfloat16(),
-        torch.arange(n)[None],
-        model_id="fixture",
-    )
-    blob = codec.encode(kv)
-    assert codec.decode(blob).keys.shape[1] == n  # the honest blob decodes
-    for batch, tokens in ((4096, 1 << 22), (1, 1 << 22), (1024, 40)):
-        hostile = _reseal(blob, batch=batch, tokens=tokens)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, tokens, len(lay.layers), len(lay.heads), lay.head_dim)
+    k, v = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
+    return KVSlice(lay, k, v, torch.arange(tokens)[None], model_id="fixture")
+
+
+def _modes() -> dict[str, tuple[Codec, bytes]]:
+    plain_cal = Calibration.load(FIX / "calibration.safetensors")
+    tiered = tiered_calibration()
+    pred_cal = Calibration.load(FIX / "predicted" / "calibration.safetensors")
+    emb = load_file(str(FIX / "predicted" / "embeddings.safetensors"))["weight"]
+    out = {}
+    ident = Codec.identity(backend="zstd")
+    out["identity"] = (ident, ident.encode(_fixture_slice(plain_cal)))
+    plain = Codec(plain_cal, ratio=8, sinks=2, window=4)
+    out["one_plan"] = (plain, plain.encode(_fixture_slice(plain_cal)))
+    two = Codec(tiered, 8, window=16, tiers="two")
+    out["tiers"] = (two, two.encode(tiered_slice()))
+    lad = Codec(tiered, 8, window=16)
+    out["ladder"] = (lad, lad.encode(tiered_slice()))
+    pred = Codec(pred_cal, ratio=8, sinks=2, window=4, embeddings=emb)
+    out["token_map"] = (pred, (FIX / "predicted" / "sample.kvtc").read_bytes())
+    return out
+
+
+MODES = _modes()
+
+
+def test_every_mode_writes_its_own_container_version_and_decodes():
+    want = {"identity": 1, "one_plan": 1, "tiers": 3, "ladder": 4, "token_map": 5}
+    for mode, (codec, blob) in MODES.items():
+        h, _ = container.read_header(blob)
+        assert h.version == want[mode], mode
+        assert codec.decode(blob).num_tokens == h.tokens
+
+
+def _scale(d: dict, batch: int = 1, tokens: int = 1) -> None:
+    d["batch"] *= batch
+    d["tokens"] *= tokens
+    if d["mode"] == "identity":  # an identity blob stores every token raw: its window covers them all
+        d["window"] = d["tokens"] - d["sinks"]
+    if d.get("rung_counts"):  # the counts must cover the new middle tokens: all on the coarsest rung
+        mid = {}
+        for kind, groups in d["rung_counts"].items():
+            mid[kind] = [[0] * (len(c) - 1) + [sum(c) * batch * tokens] for c in groups]
+        d["rung_counts"] = mid
+
+
+def _edits(mode: str, codec: Codec) -> dict[str, object]:
+    """Name -> edit of a header dict: every field that enters the allowance, forged toward a larger decode."""
+    cal = codec.calibration
+    top = None if cal is None else max(cal.plans, key=float)
+    e: dict[str, object] = {
+        "tokens_x4096": lambda d: _scale(d, tokens=4096),
+        "batch_x256_tokens_x64": lambda d: _scale(d, batch=256, tokens=64),
+        "window_shrunk_tokens_x1024": lambda d: (_scale(d, tokens=1024), d.update(window=0, sinks=0)),
+    }
+    if mode == "one_plan" or mode == "token_map":
+        e["ratio_top_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.update(ratio=top))
+    if mode != "identity":
+        e["ratio_1e6_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.update(ratio="1e+06"))
+    if mode == "tiers":
+        e["tiers_top_share_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.update(tiers=[top, top, 1e-6]))
+    if mode == "ladder":
+        e["rungs_top_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.update(rungs=sorted(d["rungs"], key=float)))
+    if mode == "token_map":
+        e["predicted_dropped_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.pop("predicted"))
+    return e
+
+
+CASES = [(m, n) for m, (c, _) in MODES.items() for n in _edits(m, c)]
+
+
+@pytest.mark.parametrize("mode,edit", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_forged_allowance_fields_are_refused_cheaply(mode, edit):
+    codec, blob = MODES[mode]
+    hostile = forged(codec, blob, _edits(mode, codec)[edit])
+    try:
         header, _ = container.read_header(hostile)
-        assert budget.decoded_bytes(header) >= 1000 * len(hostile)
-        _refused_cheaply(codec, hostile)
+    except FormatError:
+        return  # refused by the container itself (e.g. a version that does not match the fields)
+    assert budget.decoded_bytes(header) >= 1000 * len(hostile), "the forgery should declare a large decode"
+    _refused_cheaply(codec, hostile)
 
 
-def test_max_decoded_bytes_is_configurable_and_honest_blobs_decode(cal):
-    kv = _zero_slice(cal, batch=1, tokens=512)
-    kv.keys.normal_()
-    kv.values.normal_()
-    blob = Codec(cal, ratio=8).encode(kv)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_forged_pad_or_section_size_is_refused(mode):
+    codec, blob = MODES[mode]
+    d, version, body = _split(blob)
+    # a pad where none is needed, or larger than any blob needs: refused before reading it
+    big = 1 << 20
+    zeros = bytes(big)
+    d2 = json.loads(json.dumps(d))
+    d2["sections"].append([PAD_SECTION, "raw", big, big, zlib.crc32(zeros)])
+    _refused_cheaply(codec, _seal(d2, body + zeros, version))
+    # a section whose coded bytes exceed its raw bytes (no writer stores such a stream): refused by the container
+    d3 = json.loads(json.dumps(d))
+    name, backend, raw, coded, crc = d3["sections"][-1]
+    d3["sections"][-1] = [name, "zstd", raw, raw + 1, crc]
+    with pytest.raises(FormatError, match="coded bytes"):
+        container.read_header(_seal(d3, body + b"\0", version))
+
+
+@pytest.mark.parametrize("mode", ["identity", "one_plan", "tiers", "ladder"])
+def test_an_all_zero_cache_is_padded_and_decodes(mode, monkeypatch):
+    """Streams of an all-zero cache shrink thousands of times: the writer pads the blob to within MAX_CODER_GAIN,
+    so the decoder, which refuses anything beyond it, still reads everything kvtc writes."""
+    codec, blob = MODES[mode]
+    kv = _fixture_slice(codec.calibration or Calibration.load(FIX / "calibration.safetensors"), tokens=8192)
+    if mode in ("tiers", "ladder"):
+        kv = tiered_slice(batch=2, tokens=2048)
+    kv.keys.zero_()
+    kv.values.zero_()
+    zero = codec.encode(kv)
+    h, _ = container.read_header(zero)
+    raw, coded = sum(s.raw for s in h.sections), sum(s.coded for s in h.sections)
+    assert h.sections[-1].name == PAD_SECTION and raw <= budget.MAX_CODER_GAIN * coded
+    out = codec.decode(zero)
+    if mode == "identity":
+        assert torch.equal(out.keys, kv.keys) and torch.equal(out.values, kv.values)
+    # the pad changes nothing else: the same blob without it (read under no allowance) decodes to the same slice
+    d, version, body = _split(zero)
+    pad = d["sections"].pop()
+    unpadded = _seal(d, body[: -pad[3]], version)
+    monkeypatch.setattr(budget, "MAX_CODER_GAIN", 1 << 30)
+    bare = codec.decode(unpadded)
+    assert torch.equal(out.keys, bare.keys) and torch.equal(out.values, bare.values)
+    # the honest blob of real (random) KV needs no pad
+    assert container.read_header(blob)[0].sections[-1].name != PAD_SECTION
+
+
+@pytest.mark.parametrize("ratio", [" 8 ", "８", "08", "8.0", "1e-320", "nan", "-8", "1E+06", "8_0", "", "1e+07"])
+def test_only_canonical_ratios_are_read(ratio):
+    assert not canonical_ratio(ratio)
+    codec, blob = MODES["one_plan"]
+    d, version, body = _split(blob)
+    d["ratio"] = ratio
+    with pytest.raises(FormatError, match="ratio"):
+        container.read_header(_seal(d, body, version))
+    for good in ("8", "2.5", "192", "7.5", "1e+06"):
+        assert canonical_ratio(good)
+
+
+def test_a_header_in_any_other_spelling_is_refused():
+    codec, blob = MODES["one_plan"]
+    d, version, body = _split(blob)
+    assert codec.decode(_seal(d, body, version)).num_tokens == d["tokens"]  # canonical: as written
+    for raw in (json.dumps(d).encode(), json.dumps(d, sort_keys=True).encode(), _canonical(d)[:-1] + b" }"):
+        spelled = PREFIX.pack(b"KVTC", version, 0, len(raw), zlib.crc32(raw)) + raw + body
+        with pytest.raises(FormatError, match="canonical"):
+            container.read_header(spelled)
+    dup = _canonical(d).replace(b'{"batch":1,', b'{"batch":1,"batch":1,', 1)
+    assert dup != _canonical(d)
+    with pytest.raises(FormatError, match="canonical"):
+        container.read_header(PREFIX.pack(b"KVTC", version, 0, len(dup), zlib.crc32(dup)) + dup + body)
+
+
+def test_max_decoded_bytes_is_configurable_and_honest_blobs_decode():
+    codec, blob = MODES["one_plan"]
     need = budget.decoded_bytes(container.read_header(blob)[0])
-    assert Codec(cal, ratio=8, max_decoded_bytes=need).decode(blob).keys.shape == kv.keys.shape
+    cal = codec.calibration
+    assert Codec(cal, ratio=8, max_decoded_bytes=need).decode(blob).num_tokens == 64
     with pytest.raises(FormatError, match="max_decoded_bytes"):
         Codec(cal, ratio=8, max_decoded_bytes=need - 1).decode(blob)
 
 
-def test_budget_refuses_nonsense_ratio(cal):
-    blob = (FIX / "sample.kvtc").read_bytes()
-    for ratio in ("abc", "0", "-3", "1e9"):
-        with pytest.raises(FormatError, match="ratio"):
-            budget.check_budget(container.read_header(_reseal(blob, ratio=ratio))[0], len(blob))
+def test_a_blob_of_another_calibration_is_refused_before_its_sizes_count():
+    codec, blob = MODES["ladder"]
+    with pytest.raises(CalibrationMismatch):
+        Codec(Calibration.load(FIX / "calibration.safetensors"), ratio=8).decode(blob)

@@ -124,7 +124,7 @@ def test_header_with_valid_crc_but_hostile_sizes_is_rejected_before_allocation(c
 def _reseal_raises(d, blob, decode_with=None):
     import json
 
-    hdr = json.dumps(d).encode()
+    hdr = json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
     _, body = container.read_header(blob)
     rest = blob[body:]
     new = struct.pack("<4sHHII", b"KVTC", 1, 0, len(hdr), zlib.crc32(hdr)) + hdr + rest

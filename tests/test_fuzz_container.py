@@ -61,7 +61,7 @@ def check(data: bytes) -> fz.Outcome:
 
 
 def reseal(d, body: bytes = b"") -> bytes:
-    return fz.seal(json.dumps(d).encode(), body)
+    return fz.seal(json.dumps(d, separators=(",", ":"), sort_keys=True).encode(), body)
 
 
 def header_dict(blob: bytes = FIXTURE) -> dict:
@@ -282,11 +282,16 @@ def _hostile_cases():
     deep = b"[" * 100000 + b"]" * 100000
     cases["json_nested_100k"] = fz.seal(deep, b"")
     cases["json_nested_unclosed"] = fz.seal(b"[" * 200000, b"")
-    cases["json_nested_in_dtype"] = fz.seal(json.dumps(d0).replace('"bfloat16"', "[" * 5000 + "]" * 5000).encode(), b"")
+    cases["json_nested_in_dtype"] = fz.seal(
+        json.dumps(d0, separators=(",", ":"), sort_keys=True).replace('"bfloat16"', "[" * 5000 + "]" * 5000).encode(),
+        b"",
+    )
     cases["json_many_dicts"] = fz.seal(b"[" + b"{}," * 300000 + b"{}]", b"")
     cases["json_huge_int"] = fz.seal(b'{"batch": ' + b"9" * 5000 + b"}", b"")
     cases["json_utf16"] = fz.seal(json.dumps(d0).encode("utf-16"), body_of())
-    cases["json_lone_surrogate"] = fz.seal(json.dumps(d0).replace('"fixture"', '"\\ud800"').encode(), body_of())
+    cases["json_lone_surrogate"] = fz.seal(
+        json.dumps(d0, separators=(",", ":"), sort_keys=True).replace('"fixture"', '"\\ud800"').encode(), body_of()
+    )
     cases["json_bad_utf8"] = fz.seal(b'{"mode": "\xff\xfe"}', b"")
     _ = lay
     return cases
@@ -296,10 +301,10 @@ HOSTILE = _hostile_cases()
 
 
 #: headers the container accepts (the values are within its caps and well typed); the decoders refuse them
+#: (a ratio as kvtc never writes it is refused by the container itself)
 #: because the sections do not have the sizes those values imply, or the calibration does not match
 HEADER_ACCEPTS = {
     "backend_evil",
-    "ratio_nan",
     "layers_many",
     "tokens_4194304",
     "sinks_window_4194304",
@@ -380,7 +385,7 @@ def test_regression_empty_batch_with_middle_tokens_is_a_format_error():
     d = header_dict()
     d.update(batch=0, tokens=10, sinks=0, window=0)
     for s in d["sections"]:
-        s[2:] = [0, 0, 0]
+        s[1:] = ["raw", 0, 0, 0]  # an empty stream is stored raw
     blob = reseal(d)
     for fn in (container.read_header, Codec.inspect, KV["kvtc_codec"].decode, Codec.identity().decode):
         with pytest.raises(FormatError):

@@ -133,7 +133,7 @@ def _reseal(blob: bytes, version: int | None = None, edit=None) -> bytes:
     header = json.loads(blob[16 : 16 + hlen])
     if edit:
         edit(header)
-    raw = json.dumps(header).encode()
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     prefix = container.PREFIX.pack(b"KVTC", v if version is None else version, flags, len(raw), zlib.crc32(raw))
     return prefix + raw + blob[16 + hlen :]
 

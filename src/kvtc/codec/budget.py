@@ -1,22 +1,22 @@
-"""The decoding budget: how much a blob may make a decoder allocate, checked from its header before anything is
-allocated (docs/FORMAT.md, "Validation", step 3)."""
+"""The decoding allowance: how much a blob may make a decoder allocate, checked before anything is allocated
+(docs/FORMAT.md, "Decoding allowance"): first against the codec's own ceiling from the header alone
+(:func:`check_declared`), then, once the header is checked against the calibration, from the exact section sizes that
+check implies and the blob's own length (:func:`check_allowance`). No header field can raise it."""
 
 from __future__ import annotations
 
 from ..errors import FormatError, LayoutError
-from .header import _ESIZE, Header
+from ..textsafe import printable
+from .header import _ESIZE, PAD_SECTION, Header
 
 #: default ceiling on the bytes one ``decode`` may produce and stage (the ``max_decoded_bytes`` of a Codec)
 DEFAULT_MAX_DECODED_BYTES = 32 << 30
 #: what a blob of any size may always declare (a header, a few tokens)
 BUDGET_FLOOR_BYTES = 64 << 10
-#: identity blobs store KV as it is: an entropy coder shrinks real KV by well under 2x
-IDENTITY_EXPANSION = 64
-#: kvtc blobs: decoded bytes per stored byte may reach the plan's ratio times the entropy coder's gain
-#: (measured 1.2x with zstd; under the Gaussians of the fixed-step planes, kvtc.codec.gaussian, a plane of
-#: near-certain symbols costs a small fraction of a bit each: 1.5x on a synthetic plan of int2f groups) and the raw
-#: sections; this many times the ratio is refused as no honest blob
-KVTC_EXPANSION_PER_RATIO = 8
+#: the most a blob's sections may shrink in all: their raw bytes over their coded bytes. Real KV's streams shrink
+#: 1.1-1.6x (BENCHMARKS, "Decoding allowance"); an encoder adds a ``pad`` section of zeros to a blob whose streams
+#: shrink more (an all-zero cache), so that every blob it writes is within this and a decoder can refuse the rest
+MAX_CODER_GAIN = 4
 #: a decode allocates every layer for every token, zero where a sliding layer holds none: at most this many times
 #: the bytes the layers hold (a longer sequence over short windows needs its layers decoded separately)
 MAX_HELD_SPARSITY = 64
@@ -47,11 +47,21 @@ def check_sparsity(header: Header) -> int:
     return held
 
 
-def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> int:
-    """Refuse, before anything is allocated, a blob that declares more decoding work than it can honestly
-    hold: more than ``max_decoded_bytes`` in all, or more decoded bytes per stored byte than its mode allows
-    (identity: :data:`IDENTITY_EXPANSION`; kvtc: :data:`KVTC_EXPANSION_PER_RATIO` times its ratio). Returns
-    the declared decoded bytes."""
+def needs_padding(raw: int, coded: int) -> bool:
+    """Whether sections of ``raw`` bytes coded into ``coded`` shrink more than a decoder allows."""
+    return raw > BUDGET_FLOOR_BYTES and raw > MAX_CODER_GAIN * coded
+
+
+def pad_bytes(raw: int, coded: int) -> int:
+    """The fewest zero bytes that, stored raw beside sections of ``raw`` bytes coded into ``coded``, bring the
+    whole within :data:`MAX_CODER_GAIN` (``raw + n <= MAX_CODER_GAIN * (coded + n)``)."""
+    return max(0, -(-(raw - MAX_CODER_GAIN * coded) // (MAX_CODER_GAIN - 1)))
+
+
+def check_declared(header: Header, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> int:
+    """Refuse, from the header alone, a blob that declares more decoding work than this codec takes
+    (``max_decoded_bytes``) or sliding-window layers that hold almost none of its tokens. Returns the declared
+    decoded bytes. Only a bound the caller set: what the blob may cost for its size is :func:`check_allowance`'s."""
     need = decoded_bytes(header)
     if need > max_decoded_bytes:
         raise FormatError(
@@ -59,25 +69,39 @@ def check_budget(header: Header, blob_len: int, max_decoded_bytes: int = DEFAULT
             f"max_decoded_bytes={max_decoded_bytes}; raise max_decoded_bytes if the blob is trusted"
         )
     try:
-        held = check_sparsity(header)
+        check_sparsity(header)
     except LayoutError as e:
         raise FormatError(f"{e}; the blob is corrupt or hostile") from None
-    # what the blob honestly encodes: the tokens its layers hold (the rest of the output is zeros)
-    need = held + (need - decoded_output_bytes(header))
-    if header.mode == "kvtc":
-        try:
-            ratio = float(header.ratio or "")
-        except ValueError:
-            raise FormatError(f"blob names ratio {header.ratio!r}, not a number; the blob is corrupt") from None
-        if not 0 < ratio < 1e6:
-            raise FormatError(f"blob names ratio {header.ratio!r}, out of range; the blob is corrupt")
-        expansion = KVTC_EXPANSION_PER_RATIO * ratio + IDENTITY_EXPANSION
-    else:
-        expansion = IDENTITY_EXPANSION
-    if need > max(expansion * blob_len, BUDGET_FLOOR_BYTES):
-        raise FormatError(
-            f"blob of {blob_len} bytes declares {need} decoded bytes ({need / max(blob_len, 1):.0f}x, at most "
-            f"{expansion:.0f}x for a {header.mode} blob{'' if header.ratio is None else ' at ratio ' + header.ratio}); "
-            "it is corrupt or hostile"
-        )
     return need
+
+
+def check_allowance(header: Header, expected_raw: dict[str, int]) -> None:
+    """Refuse, before any section is read, a blob whose sections are not what its verified settings require or
+    that shrink more than any blob kvtc writes. ``expected_raw``: each section's exact raw size, derived from facts
+    the decoder checked against the calibration (plans, tier and rung names, layout, token counts), never from a
+    header's word. The allowance: the sections' raw bytes (which fix what a decode allocates: every plan's bits per
+    token, the raw sinks and window, positions and token ids) at most :data:`MAX_CODER_GAIN` times their coded bytes
+    (docs/FORMAT.md, "Decoding allowance")."""
+    secs = header.sections
+    pad = secs[-1] if secs and secs[-1].name == PAD_SECTION else None
+    names = [s.name for s in secs[: -1 if pad else None]]
+    if names != list(expected_raw):
+        raise FormatError(
+            f"blob sections {[printable(n, 64) for n in names[:6]]} do not match what its settings require "
+            f"{list(expected_raw)[:6]}; the blob is corrupt"
+        )
+    for s in secs:
+        if s is not pad and expected_raw[s.name] != s.raw:
+            raise FormatError(f"section {s.name}: {s.raw} bytes declared, {expected_raw[s.name]} expected")
+    raw = sum(expected_raw.values())
+    if pad is not None and (
+        not needs_padding(raw, sum(s.coded for s in secs) - pad.coded) or pad.raw > pad_bytes(raw, 0)
+    ):
+        raise FormatError(f"a pad section of {pad.raw} bytes where the blob needs {pad_bytes(raw, 0)} at most; corrupt")
+    raw += 0 if pad is None else pad.raw
+    coded = sum(s.coded for s in secs)
+    if needs_padding(raw, coded):
+        raise FormatError(
+            f"blob's sections code {raw} bytes in {coded} ({raw / max(coded, 1):.0f}x; kvtc writes at most "
+            f"{MAX_CODER_GAIN}x): it is corrupt or hostile"
+        )

@@ -44,10 +44,11 @@ import numpy as np
 import torch
 
 from ..errors import FormatError, OutputBufferError
+from . import budget
 from .buffers import Parts
 from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
 from .entropy import EntropyCoder, decode_stream, encode_stream
-from .header import Header, Section, parse_header  # Header, Section: part of the container's interface
+from .header import PAD_SECTION, Header, Section, parse_header  # Header, Section: part of the container's interface
 
 MAGIC = b"KVTC"
 VERSION = 5
@@ -88,6 +89,10 @@ def write(
         Section(name, used, len(data), len(coded), crc)
         for (name, data), (used, coded), crc in zip(payloads, coded_all, crcs)
     ]
+    pad = padding(sections)
+    if pad is not None:
+        sections.append(pad[0])
+        bodies.append(pad[1])
     header.sections = sections
     parts = [prefix_and_header(header), *bodies]
     blob = b"".join(parts) if out is None else write_into(out, parts)
@@ -98,9 +103,27 @@ def write(
     return blob
 
 
+def header_bytes(header: Header) -> bytes:
+    """The canonical JSON of ``header``: the only spelling of it a reader accepts."""
+    return json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
+
+
+def padding(sections: list[Section]) -> tuple[Section, bytes] | None:
+    """The ``pad`` section a blob of ``sections`` needs so that its sections' raw bytes are at most
+    :data:`~kvtc.codec.budget.MAX_CODER_GAIN` times their coded bytes (what a decoder allows; docs/FORMAT.md,
+    "Decoding allowance"), or None when it needs none. Only streams that shrink far more than real KV does (an
+    all-zero cache) need one."""
+    raw, coded = sum(x.raw for x in sections), sum(x.coded for x in sections)
+    if not budget.needs_padding(raw, coded):
+        return None
+    n = budget.pad_bytes(raw, coded)
+    zeros = bytes(n)
+    return Section(PAD_SECTION, "raw", n, n, zlib.crc32(zeros)), zeros
+
+
 def prefix_and_header(header: Header) -> bytes:
     """The container's first bytes: the prefix and the JSON header of ``header`` (its sections filled in)."""
-    hdr = json.dumps(header.to_json(), separators=(",", ":"), sort_keys=True).encode()
+    hdr = header_bytes(header)
     if len(hdr) > MAX_HEADER_BYTES:
         raise FormatError("container header would exceed 1 MiB; split the slice into smaller ones")
     return PREFIX.pack(MAGIC, header.version, 0, len(hdr), zlib.crc32(hdr)) + hdr
@@ -194,6 +217,11 @@ def read_header(blob: bytes | bytearray | memoryview, partial: bool = False) -> 
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError("container header is not valid JSON; the blob is corrupt") from None
     header = parse_header(d)
+    if header_bytes(header) != raw:  # one spelling per header: no spaces, duplicate keys or other number forms
+        raise FormatError(
+            "container header is not in canonical form (sorted keys, no spaces, numbers and strings as kvtc writes "
+            "them); the blob is corrupt or was not written by kvtc"
+        )
     if header.predicted != (version == 5):
         raise FormatError(
             f"container version {version} {'with' if header.predicted else 'without'} token ids (version 5 has them, "
@@ -233,6 +261,8 @@ def section_chunks(
     """Each section's coded bytes (a view of ``blob``) and byte offset, after checking the sections' names and raw
     sizes against ``expected_raw`` (what the blob's settings require)."""
     blob = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
+    if expected_raw is not None and header.sections and header.sections[-1].name == PAD_SECTION:
+        expected_raw = {**expected_raw, PAD_SECTION: header.sections[-1].raw}  # its size: budget.check_allowance's
     if expected_raw is not None:
         names = [s.name for s in header.sections]
         if names != list(expected_raw):

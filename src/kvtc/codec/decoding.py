@@ -15,6 +15,7 @@ import torch
 from ..calibration.artifact import KINDS
 from ..errors import CalibrationMismatch, FormatError
 from ..layout import DTYPES, KVSlice
+from ..textsafe import printable
 from . import budget, container, gpu_decode, ladder, prediction, spans, tiers
 from .buffers import section_tensor
 from .clock import Clock, stage_clock
@@ -52,6 +53,7 @@ class Decoding:
                     break
         if secs is None:
             secs = container.read_sections(blob, header, body, expected, hints=hints)
+        secs.pop(container.PAD_SECTION, None)
         if header.tiers:  # each group's mask, checked, in place of its bytes
             middles = spans.group_middles(header, self.calibration.grouping)  # type: ignore[union-attr]
             for g, (_, m) in enumerate(middles):
@@ -85,12 +87,12 @@ class Decoding:
             pinned = blob if blob.is_pinned() else None
             blob = memoryview(blob.numpy())
         header, body = container.read_header(blob)
-        budget.check_budget(header, len(blob), self.max_decoded_bytes)
+        budget.check_declared(header, self.max_decoded_bytes)
         if header.mode == "kvtc":
             cal = self.calibration
             if cal is None or header.calibration != cal.hash:
                 raise CalibrationMismatch(
-                    f"blob was encoded with calibration {str(header.calibration)[:16]}, this codec has "
+                    f"blob was encoded with calibration {printable(header.calibration, 16)}, this codec has "
                     f"{'none' if cal is None else cal.fingerprint}; decode with the calibration that encoded it"
                 )
             cal.check_layout(header.layout)
@@ -100,6 +102,8 @@ class Decoding:
                     raise FormatError(f"blob names tier ratios {missing}, which its calibration has no plan for")
             elif header.ratio is None or header.ratio not in cal.plans:
                 raise FormatError(f"blob names ratio {header.ratio!r}, which its calibration has no plan for")
+        # what the blob may cost, from the sizes these checked facts imply and the blob's own bytes
+        budget.check_allowance(header, self._expected_sections(header))
         return blob, pinned, header, body
 
     def _expected_sections(self, h: container.Header, hints: dict[str, Any] | None = None) -> dict[str, int]:

@@ -213,6 +213,9 @@ def _open(codec: Any, blob: Any) -> _Job | None:
         or header.layout.max_tokens  # layers holding different tokens: the general path
         or header.adaptive  # token-adaptive rates: the general path
         or any(s.backend not in (NAME, "raw") for s in header.sections)
+        or (
+            header.sections and header.sections[-1].name == container.PAD_SECTION
+        )  # a padded (all-zero) cache: the general path
     ):
         return None
     chunks, offsets = container.section_chunks(mv, header, body, codec._expected_sections(header))

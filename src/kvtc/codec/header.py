@@ -5,11 +5,13 @@ sections) is :mod:`kvtc.codec.container`'s.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError, LayoutError
 from ..layout import MAX_TOKENS, KVLayout, Span
+from ..textsafe import printable
 from .packing import PACKINGS
 
 #: most plans a rate-ladder blob may name (its rung indices are bytes)
@@ -20,7 +22,14 @@ MAX_BATCH = 1 << 12
 MAX_SECTIONS = 4096
 MAX_TOTAL_RAW_BYTES = 1 << 36
 MAX_KV_HEADS = 1 << 12  # served models have at most a few hundred KV heads
+#: the smallest share of a group's middle tokens a two-tier blob may code at either tier
+MIN_SHARE = 1e-6
 MODES = ("kvtc", "identity")
+#: the optional last section an encoder adds to a blob whose streams shrink more than
+#: :data:`kvtc.codec.budget.MAX_CODER_GAIN` (zeros, stored raw; docs/FORMAT.md, "Decoding allowance")
+PAD_SECTION = "pad"
+#: a ratio as kvtc writes it (:func:`kvtc.calibration.ratio_key`): ASCII digits, no sign, space or exponent case
+_RATIO = re.compile(r"(0|[1-9][0-9]{0,5})(\.[0-9]{1,6})?(e[+-][0-9]{2})?")
 _ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -127,6 +136,16 @@ def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
     return v
 
 
+def canonical_ratio(ratio: Any) -> bool:
+    """Whether ``ratio`` is a ratio's text as :func:`kvtc.calibration.ratio_key` writes it (``"16"``, ``"2.5"``):
+    ASCII, no space, sign, leading zero or full-width digit, positive and at most 1e6, and unchanged when read and
+    written again."""
+    if not (isinstance(ratio, str) and _RATIO.fullmatch(ratio)):
+        return False
+    r = float(ratio)
+    return 1e-3 <= r <= 1e6 and format(r, "g") == ratio
+
+
 def parse_header(d: Any) -> Header:
     """A container header from its parsed JSON object, every field checked for type and range and every declared
     size bounded by the token counts and the layout (docs/FORMAT.md); raises :class:`~kvtc.errors.FormatError`."""
@@ -157,8 +176,12 @@ def parse_header(d: Any) -> Header:
     if layout.num_features > 1 << 24:
         raise FormatError("container layout too large")
     ratio = d.get("ratio")
-    if ratio is not None and not (isinstance(ratio, str) and len(ratio) <= 32):
-        raise FormatError("container ratio field invalid")
+    if mode == "identity" and ratio is not None:
+        raise FormatError("identity blob must not name a ratio; the blob is corrupt")
+    if mode == "kvtc" and not canonical_ratio(ratio):
+        raise FormatError(
+            f"container ratio {printable(ratio, 40)!r} is not a ratio as kvtc writes it; the blob is corrupt"
+        )
     packing = _req(d, "packing", str)
     if packing not in PACKINGS:
         raise FormatError(f"unknown packing {packing!r}")
@@ -182,8 +205,16 @@ def parse_header(d: Any) -> Header:
         for v in (raw, coded, crc):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise FormatError(f"section {name}: sizes and checksum must be non-negative integers")
-        if raw > bound or crc > 0xFFFFFFFF or coded > MAX_TOTAL_RAW_BYTES:
-            raise FormatError(f"section {name}: declared size out of range for {batch}x{tokens} tokens")
+        if raw > bound or crc > 0xFFFFFFFF:
+            raise FormatError(f"section {printable(name, 64)}: declared size out of range for {batch}x{tokens} tokens")
+        # an encoder stores a stream that coding does not shrink raw: no backend's stream is longer than its data
+        if coded > raw or (backend == "raw") != (coded == raw):
+            raise FormatError(
+                f"section {printable(name, 64)}: {coded} coded bytes for {raw} raw under backend "
+                f"{printable(backend, 32)!r} (a stream that does not shrink is stored raw); the blob is corrupt"
+            )
+        if name == PAD_SECTION and (backend != "raw" or len(sections) != len(secs) - 1):
+            raise FormatError("a pad section must be the last one, stored raw; the blob is corrupt")
         total_raw += raw
         seen.add(name)
         sections.append(Section(name, backend, raw, coded, crc))
@@ -192,8 +223,8 @@ def parse_header(d: Any) -> Header:
     tiers = d.get("tiers")
     if tiers is not None:
         ok = isinstance(tiers, list) and len(tiers) == 3 and mode == "kvtc"
-        ok = ok and all(isinstance(t, str) and 0 < len(t) <= 32 for t in tiers[:2])
-        ok = ok and isinstance(tiers[2], float) and 0.0 < tiers[2] < 1.0
+        ok = ok and all(canonical_ratio(t) for t in tiers[:2])
+        ok = ok and isinstance(tiers[2], float) and MIN_SHARE <= tiers[2] <= 1.0 - MIN_SHARE
         if not ok:
             raise FormatError("container tiers field invalid; the blob is corrupt")
         tiers = (tiers[0], tiers[1], tiers[2])
@@ -225,7 +256,7 @@ def _parse_ladder(
     if rungs is None and counts is None:
         return None, None
     ok = mode == "kvtc" and isinstance(rungs, list) and 2 <= len(rungs) <= MAX_RUNGS
-    ok = ok and all(isinstance(r, str) and 0 < len(r) <= 32 for r in rungs) and len(set(rungs)) == len(rungs)
+    ok = ok and all(canonical_ratio(r) for r in rungs) and len(set(rungs)) == len(rungs)
     ok = ok and isinstance(counts, dict) and sorted(counts) == ["keys", "values"]
     if ok:
         for per_group in counts.values():
@@ -239,4 +270,4 @@ def _parse_ladder(
 
 
 __all__ = ["MAX_BATCH", "MAX_GROUPS", "MAX_KV_HEADS", "MAX_RUNGS", "MAX_SECTIONS", "MAX_TOTAL_RAW_BYTES", "MODES",
-           "Header", "Section", "parse_header"]  # fmt: skip
+           "PAD_SECTION", "Header", "Section", "canonical_ratio", "parse_header"]  # fmt: skip
