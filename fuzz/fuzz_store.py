@@ -7,12 +7,21 @@ Parts (each input belongs to one):
   are NaN, infinite, huge, negative, with units, unicode digits, empty). Property: a store or StoreError.
   Redis stores are only opened and closed (opening connects to nothing); file URLs stay inside a temp dir.
 * ``resp``: a tiny TCP server in this process answers every command with random replies (nested, garbled,
-  truncated, errors such as MOVED/ASK/WRONGTYPE, 5,000-deep arrays, non-RESP bytes) and ``CLUSTER SLOTS``
-  with random slot maps (loopback or unusable hosts only). Needs the ``redis`` package.
+  truncated, errors such as MOVED/ASK/WRONGTYPE, 100,000-deep arrays, arrays announcing ten million elements,
+  bulk strings announcing gigabytes, non-RESP bytes), sometimes dripped a byte every 30 ms, and ``CLUSTER
+  SLOTS`` with random slot maps (loopback or unusable hosts only; some naming 16,384 masters). Besides the
+  common property, each call must return within ``CALL_TIMEOUTS`` x the store's timeout + ``SLOW_MARGIN_S``
+  (violation ``slow``).
 * ``redis``: a real ``redis-server`` (started here on a free loopback port when one is on PATH) whose entry
   keys hold random bytes, foreign envelopes, truncated envelopes, or lists/hashes/sets/zsets/streams/ints.
+  Needs the ``redis`` package (to plant the keys).
 * ``file``: a FileStore whose entry paths hold FIFOs, directories, symlinks (outside, dangling, looping,
-  /dev/zero), empty files, random bytes, truncated or foreign entries, and sparse 64 MiB files.
+  /dev/zero), empty files, random bytes, truncated or foreign entries, sparse 64 MiB files, envelopes whose
+  header declares more than ``max_entry_bytes`` (in a sparse file of that size, or a small one), shard
+  directories that are links to a directory outside the root holding a valid entry, and temp-file names that
+  are links to a file outside. Besides the common property: nothing outside the root changes (violation
+  ``wrote_outside``), no entry is read through a link (``wrong_hit``), and the process's peak RSS grows by at
+  most ``FILE_RSS_LIMIT`` (``memory``).
 
 Property for every store operation (get, put, contains, get_many, put_many, delete): it returns a value
 of the documented type (a miss / False where the entry is unusable), never raises, and returns within
@@ -42,11 +51,20 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import Hung, Tally, call_with_timeout, campaign_args, write_summary  # noqa: E402
+from common import Hung, Tally, call_with_timeout, campaign_args, hwm, reset_hwm, write_summary  # noqa: E402
 
 NS = "model:calibration"
 OP_TIMEOUT_S = 10.0
 TIME_LIMIT_S = OP_TIMEOUT_S
+#: The resp part's store timeout, and what a call may take beyond its CALL_TIMEOUTS x timeout.
+RESP_TIMEOUT_S = 0.05
+SLOW_MARGIN_S = 0.75
+#: Seconds per byte of a dripped reply, and how long the server drips one before hanging up.
+DRIP_S = 0.03
+DRIP_FOR_S = 1.0
+#: The file part's entry size limit, and the peak RSS growth allowed in one file input.
+FILE_MAX_ENTRY = 1 << 20
+FILE_RSS_LIMIT = 48 << 20
 
 SCHEMES = [
     "memory",
@@ -254,9 +272,25 @@ def tree(rng: random.Random, envelopes: list[bytes], depth: int = 0) -> bytes:
 
 
 def reply(rng: random.Random, envelopes: list[bytes]) -> bytes:
-    if rng.random() < 0.1:
-        return b"*1\r\n" * rng.choice((2, 100, 1000, 5000)) + leaf(rng, envelopes)
+    r = rng.random()
+    if r < 0.1:
+        return b"*1\r\n" * rng.choice((2, 100, 1000, 5000, 100_000)) + leaf(rng, envelopes)
+    if r < 0.15:  # an array announcing ten million elements (or just past the client's bound), then a few
+        return b"*%d\r\n" % rng.choice((10_000_000, 65_537, 2**31)) + b":1\r\n" * rng.randrange(1000)
+    if r < 0.2:  # a bulk string announcing up to gigabytes, then a few bytes
+        return b"$%d\r\n" % rng.choice((600 << 20, 10 << 30, 2**62)) + rng.randbytes(rng.randrange(4096))
     return tree(rng, envelopes)
+
+
+def many_masters(n: int, first_port: int = 20_000) -> bytes:
+    """A CLUSTER SLOTS reply giving each of `n` loopback masters its share of the slots."""
+    ranges = []
+    for i in range(n):
+        lo, hi = i * 16384 // n, (i + 1) * 16384 // n - 1
+        if lo <= hi:
+            node = b"*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % (first_port + i)
+            ranges.append(b"*3\r\n:%d\r\n:%d\r\n" % (lo, hi) + node)
+    return _resp(ranges)
 
 
 def slots_reply(rng: random.Random, port: int) -> bytes:
@@ -266,6 +300,8 @@ def slots_reply(rng: random.Random, port: int) -> bytes:
     r = rng.random()
     if r < 0.3:
         return good
+    if r < 0.35:  # every slot on its own master (or just over the masters a map may name): refused
+        return many_masters(rng.choice((16384, 1001)))
     if r < 0.5:
         return rng.choice(
             [
@@ -298,7 +334,8 @@ def slots_reply(rng: random.Random, port: int) -> bytes:
 
 class HostileServer(socketserver.ThreadingTCPServer):
     """A real TCP server on 127.0.0.1 that reads RESP commands and answers each with the next of ``replies``
-    (cycled); ``CLUSTER SLOTS`` gets ``slots``."""
+    (cycled); ``CLUSTER SLOTS`` gets ``slots``. With ``drip`` (seconds), each reply goes out one byte at a time,
+    for at most ``DRIP_FOR_S`` seconds, and the connection is then closed."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -308,6 +345,7 @@ class HostileServer(socketserver.ThreadingTCPServer):
         self.port = self.server_address[1]
         self.replies: list[bytes] = [b"+OK\r\n"]
         self.slots = b"*0\r\n"
+        self.drip = 0.0
         self.count = 0
         threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
@@ -333,8 +371,19 @@ class _Handler(socketserver.StreamRequestHandler):
                 for _ in range(int(line[1:])):
                     n = int(self.rfile.readline()[1:])
                     args.append(self.rfile.read(n + 2)[:-2])
-                self.wfile.write(self.server.answer(args))  # type: ignore[attr-defined]
-                self.wfile.flush()
+                data = self.server.answer(args)  # type: ignore[attr-defined]
+                drip = self.server.drip  # type: ignore[attr-defined]
+                if not drip:
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                    continue
+                until = time.monotonic() + DRIP_FOR_S
+                for i in range(len(data)):  # bounded: by the reply's length and by DRIP_FOR_S
+                    if time.monotonic() > until:
+                        return
+                    self.wfile.write(data[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(drip)
         except (OSError, ValueError):
             return
 
@@ -426,10 +475,37 @@ def plant_redis(client: Any, name: str, rng: random.Random, envelopes: list[byte
 
 
 # ------------------------------------------------------------------------------------------ files
-def plant_file(store: Any, key: str, rng: random.Random, tmp: Path, envelopes: list[bytes]) -> str:
+LINK_KINDS = ("shard_link", "leaf_link")
+
+
+def _claim(path: Path, key: str, payload_bytes: int, file_bytes: int | None) -> None:
+    """An envelope header for (NS, key) declaring `payload_bytes` of payload, in a sparse file of `file_bytes`
+    (None: the size the header declares)."""
+    import struct
+
+    from kvtc.store.base import HEADER_SIZE, MAGIC
+
+    ns, k = NS.encode(), key.encode()
+    head = struct.pack("<4sBBHHHQ", MAGIC, 1, 0, len(ns), len(k), 0, payload_bytes) + bytes(16) + ns + k
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(HEADER_SIZE + len(ns) + len(k) + payload_bytes if file_bytes is None else file_bytes)
+
+
+def _unplant_dirs(path: Path) -> None:
+    """Remove links (or files) a previous input left where the entry's shard directories belong."""
+    for d in (path.parent.parent, path.parent):
+        if d.is_symlink() or (os.path.lexists(d) and not d.is_dir()):
+            d.unlink()
+
+
+def plant_file(
+    store: Any, key: str, rng: random.Random, tmp: Path, envelopes: list[bytes], shared_shard: bool = False
+) -> str:
     from kvtc.store import seal
 
     path = store.path_of(key)
+    _unplant_dirs(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(path):
         if path.is_dir() and not path.is_symlink():
@@ -451,9 +527,16 @@ def plant_file(store: Any, key: str, rng: random.Random, tmp: Path, envelopes: l
             "foreign",
             "other_ns",
             "sparse",
+            "oversized",
+            "oversized_small",
+            "shard_link",
+            "leaf_link",
+            "tmp_link",
             "good",
         ]
     )
+    if kind in LINK_KINDS and shared_shard:  # another key of this input lives in that shard
+        kind = "random"
     outside = tmp / "outside"
     if kind == "fifo":
         os.mkfifo(path)
@@ -485,6 +568,28 @@ def plant_file(store: Any, key: str, rng: random.Random, tmp: Path, envelopes: l
     elif kind == "sparse":
         with open(path, "wb") as f:
             f.truncate(64 << 20)
+    elif kind == "oversized":  # header and file agree on 64 MiB, more than the store's max_entry_bytes
+        _claim(path, key, 64 << 20, None)
+    elif kind == "oversized_small":  # the header declares 5 GiB, the file is small
+        _claim(path, key, 5 << 30, rng.randrange(100, 4096))
+    elif kind in LINK_KINDS:  # the shard (or leaf) directory is a link to a tree outside holding a valid entry
+        tree = tmp / "outside_tree"
+        real = tree / path.parent.parent.name / path.parent.name
+        real.mkdir(parents=True, exist_ok=True)
+        (real / path.name).write_bytes(seal(NS, key, b"from outside the store"))
+        shutil.rmtree(path.parent if kind == "leaf_link" else path.parent.parent)
+        if kind == "leaf_link":
+            path.parent.symlink_to(real, target_is_directory=True)
+        else:
+            path.parent.parent.symlink_to(real.parent, target_is_directory=True)
+    elif kind == "tmp_link":  # a stale temp file name that is a link to a file outside (sweeps remove the link)
+        outside.write_bytes(b"outside the store")
+        link = path.parent / f".{path.stem}.1.0badc0de.tmp"
+        if os.path.lexists(link):
+            link.unlink()
+        link.symlink_to(outside)
+        os.utime(link, (1, 1), follow_symlinks=False)
+        path.write_bytes(seal(NS, key, b"payload"))
     else:
         path.write_bytes(seal(NS, key, b"payload"))
     return kind
@@ -588,18 +693,27 @@ def part_url(rng: random.Random, tmp: Path, tally: Tally) -> None:
 
 def part_resp(rng: random.Random, server: HostileServer, envelopes: list[bytes], tally: Tally) -> None:
     from kvtc.store import open_store
+    from kvtc.store.redis import CALL_TIMEOUTS
 
     server.replies = [reply(rng, envelopes) for _ in range(rng.randrange(1, 4))]
     server.slots = slots_reply(rng, server.port)
+    server.drip = drip = DRIP_S if rng.random() < 0.15 else 0.0
     scheme = rng.choice(["redis", "redis+cluster"])
-    store = open_store(f"{scheme}://127.0.0.1:{server.port}?timeout=0.05&retry_interval=0", NS)
+    store = open_store(f"{scheme}://127.0.0.1:{server.port}?timeout={RESP_TIMEOUT_S}&retry_interval=0", NS)
+    ops = _ops(store)  # clear() walks a whole keyspace, one timeout per batch: not bound by one call's time
     try:
-        outcome, dt, violation = run_ops(store, _ops(store, with_clear=True))
+        outcome, dt, violation = run_ops(store, ops)
+        if violation is None:
+            run_ops(store, [("clear", lambda: store.clear(), [])])
     finally:
         store.close()
-    tally.add(
-        "resp", scheme, f"resp ops {outcome}", dt, repr([scheme, server.slots[:200], *server.replies])[:2000], violation
-    )
+        server.drip = 0.0
+    bound = CALL_TIMEOUTS * RESP_TIMEOUT_S + SLOW_MARGIN_S
+    if violation is None and dt > bound:
+        outcome, violation = "slow", ("slow", f"a call took {dt:.2f} s, more than {bound:g} s")
+    mutator = scheme + (" drip" if drip else "")
+    what = repr([scheme, server.slots[:200], *(r[:300] for r in server.replies)])[:2000]
+    tally.add("resp", mutator, f"resp ops {outcome}", dt, what, violation)
 
 
 def part_redis(rng: random.Random, server: RealServer, client: Any, envelopes: list[bytes], tally: Tally) -> None:
@@ -637,13 +751,24 @@ def part_redis(rng: random.Random, server: RealServer, client: Any, envelopes: l
     )
 
 
+def _outside_state(tmp: Path) -> dict[str, bytes]:
+    """Every file outside the store root that an input planted (what it holds)."""
+    found = {}
+    for p in [tmp / "outside", *sorted((tmp / "outside_tree").rglob("*"))]:
+        if p.is_file() and not p.is_symlink():
+            found[str(p.relative_to(tmp))] = p.read_bytes()
+    return found
+
+
 def part_file(rng: random.Random, tmp: Path, envelopes: list[bytes], tally: Tally) -> None:
-    from kvtc.store import FileStore
+    from kvtc.store import FileStore, entry_id
 
     root = tmp / "filestore"
-    store = FileStore(root, NS)
+    store = FileStore(root, NS, max_entry_bytes=FILE_MAX_ENTRY)
     keys = [f"k{i}" for i in range(rng.randrange(1, 4))]
-    kinds = [plant_file(store, k, rng, tmp, envelopes) for k in keys]
+    shards = [entry_id(NS, k)[:2] for k in keys]
+    kinds = [plant_file(store, k, rng, tmp, envelopes, shards.count(s) > 1) for k, s in zip(keys, shards)]
+    outside_before = _outside_state(tmp)
 
     def unblock() -> None:  # a reader blocked on a planted FIFO gets EOF
         for k in keys:
@@ -663,18 +788,34 @@ def part_file(rng: random.Random, tmp: Path, envelopes: list[bytes], tally: Tall
             ("stats", lambda: store.stats(), []),
             ("put_many", lambda: store.put_many({k: b"mine" for k in keys}), keys),
             ("delete", lambda: store.delete(keys[0]), []),
+            ("sweep", lambda: store.sweep(tmp_grace=0), []),
         ]
     )
     first: list = []
+    rss0 = reset_hwm()
     outcome, dt, violation = run_ops(store, ops, unblock, first=first)
-    expected = {k: b"payload" if kind == "good" else None for k, kind in zip(keys, kinds)}
+    rss_growth = hwm() - rss0 if rss0 is not None else None
+    expected = {k: b"payload" if kind in ("good", "tmp_link") else None for k, kind in zip(keys, kinds)}
     if violation is None and first[0] != expected:
         violation = ("wrong_hit", f"planted {kinds}: get_many gave {first[0]!r:.300}, expected {expected!r:.300}")
+    if violation is None and _outside_state(tmp) != outside_before:
+        violation = ("wrote_outside", f"planted {kinds}: a file outside the store root changed")
+    if violation is None and rss_growth is not None and rss_growth > FILE_RSS_LIMIT:
+        violation = ("memory", f"planted {kinds}: peak RSS grew by {rss_growth} bytes")
     store.close()
+    for k in keys:  # links planted where shard directories belong would outlive this input
+        _unplant_dirs(store.path_of(k))
     if (tmp / "outside").exists():
         (tmp / "outside").unlink()
+    shutil.rmtree(tmp / "outside_tree", ignore_errors=True)
     tally.add(
-        "file", "+".join(sorted(set(kinds))), f"file ops {outcome}", time.perf_counter() - t0, repr(kinds), violation
+        "file",
+        "+".join(sorted(set(kinds))),
+        f"file ops {outcome}",
+        time.perf_counter() - t0,
+        repr(kinds),
+        violation,
+        rss_growth,
     )
 
 
@@ -696,14 +837,15 @@ def run(runs: int, seed: int, real_server: bool = True) -> Tally:
         have_redis_py = True
     except ImportError:
         have_redis_py = False
-        tally.skipped.append("resp and redis parts: the redis Python package is not installed")
+        if real_server:
+            tally.skipped.append("redis part: the redis Python package (to plant keys) is not installed")
     binary = shutil.which("redis-server")
     if real_server and have_redis_py and binary is None:
         tally.skipped.append("redis part: no redis-server on PATH")
     elif not real_server:
         tally.skipped.append("redis part: disabled (--no-real-server)")
-    parts = ["url", "file"] + (["resp"] if have_redis_py else [])
-    hostile = HostileServer() if have_redis_py else None
+    parts = ["url", "file", "resp"]  # the store speaks RESP itself: the resp part needs no redis package
+    hostile = HostileServer()
     real = client = None
     old_cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="kvtc-fuzz-store-") as d:
@@ -727,13 +869,12 @@ def run(runs: int, seed: int, real_server: bool = True) -> Tally:
                 elif part == "file":
                     part_file(rng, tmp, envelopes, tally)
                 elif part == "resp":
-                    part_resp(rng, hostile, envelopes, tally)  # type: ignore[arg-type]
+                    part_resp(rng, hostile, envelopes, tally)
                 else:
                     part_redis(rng, real, client, envelopes, tally)  # type: ignore[arg-type]
         finally:
             os.chdir(old_cwd)
-            if hostile is not None:
-                hostile.close()
+            hostile.close()
             if real is not None:
                 real.close()
     return tally

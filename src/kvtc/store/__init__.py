@@ -16,6 +16,11 @@ URL                                                                 store
 belong to (e.g. ``f"{model_id}:{calibration_hash}"``) and an entry written under one namespace is
 never returned under another. Every URL part is checked there (`StoreError` names what to fix). The
 entry envelope and the failure policy are documented in `kvtc.store.base`.
+
+What a store reads is bounded, for stores shared with writers that may be hostile: ``max_entry_bytes`` (file:
+4 GiB by default, checked against an entry's header before its payload is read; Redis: 512 MiB, checked
+against a reply's header), file paths never followed through links (`kvtc.store.fsdir`), and every Redis call
+within twice its ``timeout`` whatever the servers send or the slot map says (`kvtc.store.resp`).
 """
 
 from __future__ import annotations

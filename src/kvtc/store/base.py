@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import FormatError, StoreError
+from ..textsafe import printable
 
 logger = logging.getLogger("kvtc.store")
 
@@ -63,6 +64,8 @@ MAX_NAME_BYTES = 0xFFFF
 
 #: Seconds between two warnings of the same kind from one store handle.
 WARN_INTERVAL_S = 30.0
+#: Kinds of warning remembered at once (older ones are forgotten first once their interval has passed).
+MAX_WARNING_KINDS = 4096
 
 STAT_KEYS = ("hits", "misses", "puts", "bytes", "corrupt", "evictions", "errors")
 
@@ -119,7 +122,7 @@ def parse_header(head: bytes) -> int:
         raise FormatError(f"store entry truncated: {len(head)} bytes, the header alone is {HEADER_SIZE}")
     magic, version, flags, n, k, reserved, p = _HEADER.unpack_from(head)
     if magic != MAGIC:
-        raise FormatError(f"store entry has magic {magic!r}, expected {MAGIC!r}: not a kvtc store entry")
+        raise FormatError(f"store entry has magic {printable(repr(magic))}, expected {MAGIC!r}: not a kvtc store entry")
     if version != ENVELOPE_VERSION or flags != 0 or reserved != 0:
         raise FormatError(f"store entry version {version} flags {flags}: this kvtc reads version {ENVELOPE_VERSION}")
     if n == 0 or k == 0:
@@ -144,7 +147,7 @@ def envelope_names(blob: bytes | bytearray | memoryview) -> tuple[str, str]:
     try:
         return ns.decode("utf-8"), key.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise FormatError(f"store entry names are not UTF-8 ({e}): corrupt") from e
+        raise FormatError(f"store entry names are not UTF-8 ({printable(e)}): corrupt") from e
 
 
 def unseal(namespace: str, key: str, blob: bytes | bytearray | memoryview) -> bytes:
@@ -161,8 +164,8 @@ def unseal(namespace: str, key: str, blob: bytes | bytearray | memoryview) -> by
         raise FormatError("store entry checksum mismatch: corrupt")
     if got_ns != ns or got_key != k:
         raise FormatError(
-            f"store entry belongs to namespace {got_ns.decode('utf-8', 'replace')!r} key "
-            f"{got_key.decode('utf-8', 'replace')!r}, not {namespace!r} {key!r}: foreign entry"
+            f"store entry belongs to namespace {printable(repr(got_ns.decode('utf-8', 'replace')))} key "
+            f"{printable(repr(got_key.decode('utf-8', 'replace')))}, not {namespace!r} {key!r}: foreign entry"
         )
     return bytes(payload)
 
@@ -247,6 +250,8 @@ class Store(ABC):
             last = self._last_warning.get(kind)
             if last is not None and now - last < WARN_INTERVAL_S:
                 return
+            if len(self._last_warning) >= MAX_WARNING_KINDS:  # kinds may name servers a slot map invents
+                self._last_warning = {k: t for k, t in self._last_warning.items() if now - t < WARN_INTERVAL_S}
             self._last_warning[kind] = now
         logger.warning(message, *args)
 

@@ -17,7 +17,13 @@ failed write (disk full, permission denied) cannot damage what is already stored
 
 Reads check the envelope; a torn, corrupt or foreign entry is a miss, is removed and is counted in
 ``stats()["corrupt"]``. Entry files are opened without blocking and without following links: anything
-but a regular file at an entry's path (a FIFO, a device, a link) is treated the same way.
+but a regular file at an entry's path (a FIFO, a device, a link) is treated the same way. Every path
+below the root is walked one component at a time from the root's descriptor, never following a link
+(``O_NOFOLLOW``, ``*at`` calls), so nothing outside the root is read, written, renamed or removed through
+a link planted in it: a shard directory that is a link (or anything but a directory) makes its entries
+misses and their writes fail (with a warning), and the lock file and temp files are never opened through one. An entry whose envelope
+declares more than ``max_entry_bytes`` is a miss without its payload being read (its header is checked
+against the file's size first); ``put`` refuses one as large.
 
 Budget: with ``max_bytes`` set, the total size of the entry files is bounded. Recency is the entry
 file's mtime, set on write and on every hit (so it works on ``noatime`` mounts). The running total
@@ -32,7 +38,8 @@ by every host that shares the root: use a local filesystem.
 
 URL options: ``max_bytes`` (e.g. ``20GiB``; default unbounded), ``evict_to`` (fraction of the
 budget a sweep evicts down to, default 0.9), ``tmp_grace`` (seconds, default 900),
-``sweep_interval`` (seconds, default 300).
+``sweep_interval`` (seconds, default 300), ``max_entry_bytes`` (largest entry read or written,
+default 4GiB).
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import FormatError, StoreError
+from ..textsafe import printable
 from .base import HEADER_SIZE, Store, _payload_bytes, entry_id, parse_header, seal, unseal
+from .fsdir import DIR_FLAGS, NOT_A_DIR, ROOT_FLAGS, fsync_dir, leaves, listing, regular_size, unlink_quietly
 
 #: Fraction of `max_bytes` a sweep evicts down to, so that a full store is not swept on every put.
 DEFAULT_EVICT_TO = 0.9
@@ -59,11 +68,13 @@ DEFAULT_EVICT_TO = 0.9
 DEFAULT_TMP_GRACE_S = 900.0
 #: Seconds between periodic sweeps (drift correction and temp file cleanup).
 DEFAULT_SWEEP_INTERVAL_S = 300.0
+#: Largest entry (envelope bytes) read or written; a larger one is a miss, read no further than its header.
+DEFAULT_MAX_ENTRY_BYTES = 4 << 30
+MAX_ENTRY_LIMIT = 2**63 - 1
 
 LOCK_NAME = ".kvtc-store"
 ENTRY_SUFFIX = ".kvs"
 _USAGE = struct.Struct("<QQ")  # bytes held, time of the last sweep (ns since the epoch)
-_SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
 _ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvs$")
 _TEMP_RE = re.compile(r"^\.[0-9a-f]{32}\.\d+\.[0-9a-f]{8}\.tmp$")
 
@@ -80,6 +91,7 @@ class FileStore(Store):
         evict_to: float = DEFAULT_EVICT_TO,
         tmp_grace: float = DEFAULT_TMP_GRACE_S,
         sweep_interval: float = DEFAULT_SWEEP_INTERVAL_S,
+        max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
     ) -> None:
         super().__init__(namespace)
         if max_bytes is not None and max_bytes <= 0:
@@ -89,11 +101,16 @@ class FileStore(Store):
         for name, value in (("tmp_grace", tmp_grace), ("sweep_interval", sweep_interval)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise StoreError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if isinstance(max_entry_bytes, bool) or not isinstance(max_entry_bytes, int):
+            raise StoreError(f"max_entry_bytes must be an integer, got {max_entry_bytes!r}")
+        if not 1 <= max_entry_bytes <= MAX_ENTRY_LIMIT:
+            raise StoreError(f"max_entry_bytes must be in 1..{MAX_ENTRY_LIMIT}, got {max_entry_bytes}")
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.evict_to = evict_to
         self.tmp_grace = tmp_grace
         self.sweep_interval = sweep_interval
+        self.max_entry_bytes = max_entry_bytes
         self._lock_path = self.root / LOCK_NAME
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -114,10 +131,48 @@ class FileStore(Store):
         return self.root / eid[:2] / eid[2:4] / (eid + ENTRY_SUFFIX)
 
     @contextmanager
+    def _leaf(self, eid: str, create: bool = False) -> Iterator[int]:
+        """A descriptor of the directory of entry `eid`, reached from the root one component at a time without
+        following links (made with `create`). A component that is not a directory (a link, a file) is an
+        OSError: the store neither follows nor replaces it, so its entries are misses and writes fail."""
+        try:
+            fds = [os.open(self.root, ROOT_FLAGS)]
+        except FileNotFoundError:
+            if not create:
+                raise
+            self.root.mkdir(parents=True, exist_ok=True)  # removed since: made again, as a write always did
+            fds = [os.open(self.root, ROOT_FLAGS)]
+        try:
+            for name in (eid[:2], eid[2:4]):
+                fds.append(self._subdir(fds[-1], name, create))
+            yield fds[-1]
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    @staticmethod
+    def _subdir(parent: int, name: str, create: bool) -> int:
+        for _ in range(2):
+            try:
+                return os.open(name, DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                if not create:
+                    raise
+            except OSError as e:
+                if e.errno in NOT_A_DIR:
+                    raise OSError(errno.ENOTDIR, "a shard is not a directory (links are not followed)", name) from None
+                raise
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent)
+            except FileExistsError:
+                pass
+        raise FileNotFoundError(errno.ENOENT, "a shard directory was removed while it was made", name)
+
+    @contextmanager
     def _locked(self) -> Iterator[int]:
         # A fresh open file description per critical section: flock then excludes other threads
         # of this process as well as other processes, and survives fork.
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
@@ -133,35 +188,38 @@ class FileStore(Store):
 
     def put(self, key: str, value: bytes) -> bool:
         blob = seal(self.namespace, key, _payload_bytes(value))
-        if self.max_bytes is not None and len(blob) > self.max_bytes:
-            self._warn(
-                "too-large",
-                "kvtc.store: entry of %d bytes exceeds the file store budget of %d bytes; not stored",
-                len(blob),
-                self.max_bytes,
-            )
-            return False
+        for limit, what in ((self.max_entry_bytes, "max_entry_bytes"), (self.max_bytes, "the file store budget")):
+            if limit is not None and len(blob) > limit:
+                self._warn(
+                    "too-large",
+                    "kvtc.store: entry of %d bytes exceeds %s of %d bytes; not stored",
+                    len(blob),
+                    what,
+                    limit,
+                )
+                return False
+        eid = entry_id(self.namespace, key)
+        name, tmp = eid + ENTRY_SUFFIX, f".{eid}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         path = self.path_of(key)
-        tmp = path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_temp(tmp, blob)
-            evicted = 0
-            with self._locked() as fd:
-                held, last_sweep = self._read_usage(fd)
+            with self._leaf(eid, create=True) as leaf:
+                self._write_temp(leaf, tmp, blob)  # O_EXCL: a name planted there (a link) fails it, untouched
+                evicted = 0
                 try:
-                    old = os.stat(path).st_size
-                except FileNotFoundError:
-                    old = 0
-                os.replace(tmp, path)
-                held = max(0, held + len(blob) - old)
-                os.pwrite(fd, _USAGE.pack(held, last_sweep), 0)
-                over = self.max_bytes is not None and held > self.max_bytes
-                if over or time.time_ns() - last_sweep > self.sweep_interval * 1e9:
-                    evicted = self._sweep_locked(fd, self.tmp_grace, keep=str(path))["evicted"]
-            self._fsync_dir(path.parent)
+                    with self._locked() as fd:
+                        held, last_sweep = self._read_usage(fd)
+                        old = regular_size(leaf, name)
+                        os.replace(tmp, name, src_dir_fd=leaf, dst_dir_fd=leaf)
+                        held = max(0, held + len(blob) - old)
+                        os.pwrite(fd, _USAGE.pack(held, last_sweep), 0)
+                        over = self.max_bytes is not None and held > self.max_bytes
+                        if over or time.time_ns() - last_sweep > self.sweep_interval * 1e9:
+                            evicted = self._sweep_locked(fd, self.tmp_grace, keep=eid)["evicted"]
+                except OSError:
+                    unlink_quietly(tmp, leaf)
+                    raise
+                fsync_dir(leaf)
         except OSError as e:
-            _unlink_quietly(tmp)
             self._count(errors=1)
             self._warn(
                 f"put-{e.errno}",
@@ -174,52 +232,64 @@ class FileStore(Store):
         return True
 
     def get(self, key: str) -> bytes | None:
+        eid = entry_id(self.namespace, key)
         path = self.path_of(key)
         try:
-            # Never blocks (a FIFO planted at the path would) and never follows a link out of the store.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with self._leaf(eid) as leaf:
+                return self._read(leaf, eid + ENTRY_SUFFIX, path, key)
         except FileNotFoundError:
             self._count(misses=1)
             return None
         except OSError as e:
+            return self._read_failed(path, e)
+
+    def _read(self, leaf: int, name: str, path: Path, key: str) -> bytes | None:
+        try:
+            # Never blocks (a FIFO planted at the path would) and never follows a link out of the store.
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=leaf)
+        except OSError as e:
             if e.errno == errno.ELOOP:  # a symbolic link where an entry belongs
-                return self._not_an_entry(path)
-            return self._read_failed(path, e)
-        try:
+                return self._not_an_entry(leaf, name, path)
+            raise
+        with open(fd, "rb", buffering=0) as f:
             st = os.fstat(fd)
-        except OSError as e:
-            os.close(fd)
-            return self._read_failed(path, e)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            return self._not_an_entry(path)
-        try:
-            with open(fd, "rb", buffering=0) as f:
-                try:
-                    head = f.read(HEADER_SIZE)
-                    total = parse_header(head)
-                    if total != st.st_size:
-                        raise FormatError(f"store entry is {st.st_size} bytes, its header says {total}: torn")
-                    blob = bytearray(total)
-                    blob[:HEADER_SIZE] = head
-                    view = memoryview(blob)
-                    got = HEADER_SIZE
-                    while got < total:
-                        n = f.readinto(view[got:])
-                        if not n:
-                            raise FormatError(f"store entry ended after {got} of {total} bytes: truncated")
-                        got += n
-                    payload = unseal(self.namespace, key, blob)
-                except FormatError as e:
-                    self._remove_corrupt(path, st, e)
+            if not stat.S_ISREG(st.st_mode):
+                return self._not_an_entry(leaf, name, path)
+            try:
+                head = f.read(HEADER_SIZE)
+                total = parse_header(head)
+                if total != st.st_size:  # checked before any payload is read, as is the limit below
+                    raise FormatError(f"store entry is {st.st_size} bytes, its header says {total}: torn")
+                if total > self.max_entry_bytes:
+                    self._count(misses=1, errors=1)
+                    self._warn(
+                        "too-large-entry",
+                        "kvtc.store: entry %s is %d bytes, more than max_entry_bytes=%d; a miss (not read)",
+                        path,
+                        total,
+                        self.max_entry_bytes,
+                    )
                     return None
-                try:
-                    now = time.time_ns()
-                    os.utime(f.fileno(), ns=(now, now))
-                except OSError:
-                    pass  # recency is advisory; a read-only store still serves hits
-        except OSError as e:
-            return self._read_failed(path, e)
+                blob = bytearray(total)
+                blob[:HEADER_SIZE] = head
+                view = memoryview(blob)
+                got = HEADER_SIZE
+                while got < total:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise FormatError(f"store entry ended after {got} of {total} bytes: truncated")
+                    got += n
+                payload = unseal(self.namespace, key, blob)
+            except FormatError as e:
+                self._remove_corrupt(leaf, name, path, st, e)
+                return None
+            except MemoryError:
+                return self._read_failed(path, OSError(errno.ENOMEM, f"no memory for an entry of {total} bytes"))
+            try:
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))
+            except OSError:
+                pass  # recency is advisory; a read-only store still serves hits
         self._count(hits=1)
         return payload
 
@@ -228,29 +298,34 @@ class FileStore(Store):
         self._warn(f"get-{e.errno}", "kvtc.store: cannot read %s (%s); treated as a miss", path, e.strerror or e)
         return None
 
-    def _not_an_entry(self, path: Path) -> None:
+    def _not_an_entry(self, leaf: int, name: str, path: Path) -> None:
         try:
-            seen = os.lstat(path)
+            seen = os.stat(name, dir_fd=leaf, follow_symlinks=False)
         except OSError:
             self._count(misses=1)
             return None
-        self._remove_corrupt(path, seen, FormatError("not a regular file"))
+        self._remove_corrupt(leaf, name, path, seen, FormatError("not a regular file"))
         return None
 
     def contains(self, key: str) -> bool:
-        return self.path_of(key).is_file()
+        eid = entry_id(self.namespace, key)
+        try:
+            with self._leaf(eid) as leaf:
+                return stat.S_ISREG(os.stat(eid + ENTRY_SUFFIX, dir_fd=leaf, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def delete(self, key: str) -> bool:
+        eid = entry_id(self.namespace, key)
         path = self.path_of(key)
         try:
-            with self._locked() as fd:
-                try:
-                    size = os.stat(path).st_size
-                    os.unlink(path)
-                except FileNotFoundError:
-                    return False
+            with self._leaf(eid) as leaf, self._locked() as fd:
+                size = regular_size(leaf, eid + ENTRY_SUFFIX)
+                os.unlink(eid + ENTRY_SUFFIX, dir_fd=leaf)
                 held, last_sweep = self._read_usage(fd)
                 os.pwrite(fd, _USAGE.pack(max(0, held - size), last_sweep), 0)
+        except FileNotFoundError:
+            return False
         except OSError as e:
             self._count(errors=1)
             self._warn(f"delete-{e.errno}", "kvtc.store: cannot delete %s (%s)", path, e.strerror or e)
@@ -260,7 +335,7 @@ class FileStore(Store):
     def stats(self) -> dict[str, int]:
         out = super().stats()
         try:
-            fd = os.open(self._lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(self._lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 out["bytes"] = self._read_usage(fd)[0]
             finally:
@@ -284,23 +359,21 @@ class FileStore(Store):
 
     def _sweep_locked(self, lock_fd: int, tmp_grace: float, keep: str | None = None) -> dict[str, int]:
         now = time.time_ns()
-        entries: list[tuple[int, int, str]] = []  # mtime_ns, size, path
+        entries: list[tuple[int, int, str]] = []  # mtime_ns, size, entry id
         temp_removed = 0
-        for shard in _subdirs(str(self.root)):
-            for leaf in _subdirs(shard):
-                try:
-                    listing = list(os.scandir(leaf))
-                except FileNotFoundError:
-                    continue
-                for item in listing:
+        for leaf in leaves(self.root):
+            with leaf:
+                for item in listing(leaf.fd):
+                    is_entry = _ENTRY_RE.match(item.name) is not None
+                    if not (is_entry or _TEMP_RE.match(item.name)):
+                        continue
                     try:
-                        if _ENTRY_RE.match(item.name):
-                            st = item.stat(follow_symlinks=False)
-                            entries.append((st.st_mtime_ns, st.st_size, item.path))
-                        elif _TEMP_RE.match(item.name):
-                            if now - item.stat(follow_symlinks=False).st_mtime_ns > tmp_grace * 1e9:
-                                os.unlink(item.path)
-                                temp_removed += 1
+                        st = item.stat(follow_symlinks=False)
+                        if is_entry and stat.S_ISREG(st.st_mode):
+                            entries.append((st.st_mtime_ns, st.st_size, item.name[:32]))
+                        elif not is_entry and now - st.st_mtime_ns > tmp_grace * 1e9:
+                            os.unlink(item.name, dir_fd=leaf.fd)  # a link named so is removed, not followed
+                            temp_removed += 1
                     except FileNotFoundError:
                         continue
         held = sum(size for _, size, _ in entries)
@@ -308,22 +381,27 @@ class FileStore(Store):
         if self.max_bytes is not None and held > self.max_bytes:
             target = int(self.max_bytes * self.evict_to)
             entries.sort()
-            for _, size, path in entries:
+            for _, size, eid in entries:
                 if held <= target:
                     break
-                if path == keep:  # the entry just written stays even if it alone exceeds the target
+                if eid == keep:  # the entry just written stays even if it alone exceeds the target
                     continue
                 try:
-                    os.unlink(path)
+                    with self._leaf(eid) as leaf:
+                        os.unlink(eid + ENTRY_SUFFIX, dir_fd=leaf)
                 except FileNotFoundError:
                     pass
+                except OSError:  # its shard was replaced meanwhile (by a link, say): left for the next sweep
+                    continue
                 held -= size
                 evicted += 1
         os.pwrite(lock_fd, _USAGE.pack(held, now), 0)
         return {"entries": len(entries) - evicted, "bytes": held, "evicted": evicted, "temp_removed": temp_removed}
 
-    def _write_temp(self, tmp: Path, blob: bytes) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    @staticmethod
+    def _write_temp(leaf: int, tmp: str, blob: bytes) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644, dir_fd=leaf)
         try:
             view = memoryview(blob)
             while view:
@@ -331,32 +409,24 @@ class FileStore(Store):
             now = time.time_ns()
             os.utime(fd, ns=(now, now))
             os.fsync(fd)
+        except BaseException:
+            unlink_quietly(tmp, leaf)  # the file this call made, and only that
+            raise
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _fsync_dir(directory: Path) -> None:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems cannot sync a directory
-                raise
-        finally:
-            os.close(fd)
-
-    def _remove_corrupt(self, path: Path, seen: os.stat_result, why: FormatError) -> None:
+    def _remove_corrupt(self, leaf: int, name: str, path: Path, seen: os.stat_result, why: FormatError) -> None:
         self._count(misses=1, corrupt=1)
-        self._warn("corrupt", "kvtc.store: removed bad entry %s: %s", path, why)
+        self._warn("corrupt", "kvtc.store: removed bad entry %s: %s", path, printable(why))
         try:
             with self._locked() as fd:
                 try:
-                    now = os.lstat(path)
+                    now = os.stat(name, dir_fd=leaf, follow_symlinks=False)
                 except FileNotFoundError:
                     return
                 # Only the file that was read: a writer may have renamed a good one over it since.
                 if (now.st_ino, now.st_dev) == (seen.st_ino, seen.st_dev):
-                    os.unlink(path)
+                    os.unlink(name, dir_fd=leaf)
                     if stat.S_ISREG(now.st_mode):  # only entry files are in the usage record
                         held, last_sweep = self._read_usage(fd)
                         os.pwrite(fd, _USAGE.pack(max(0, held - now.st_size), last_sweep), 0)
@@ -366,17 +436,3 @@ class FileStore(Store):
 
     def __repr__(self) -> str:
         return f"FileStore({str(self.root)!r}, namespace={self.namespace!r}, max_bytes={self.max_bytes})"
-
-
-def _subdirs(parent: str) -> list[str]:
-    try:
-        return [e.path for e in os.scandir(parent) if _SHARD_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -18,8 +18,8 @@ from .redis import RedisStore
 from .redis_cluster import check_host
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-REDIS_OPTIONS = ("ttl", "prefix", "timeout", "retry_interval")
-FILE_OPTIONS = ("max_bytes", "evict_to", "tmp_grace", "sweep_interval")
+REDIS_OPTIONS = ("ttl", "prefix", "timeout", "retry_interval", "max_entry_bytes")
+FILE_OPTIONS = ("max_bytes", "evict_to", "tmp_grace", "sweep_interval", "max_entry_bytes")
 #: Largest byte budget accepted (2**63 - 1: what the file store's usage record can count).
 MAX_BUDGET = 2**63 - 1
 #: Largest number of seconds accepted by the file store's time options.
@@ -38,11 +38,20 @@ def parse_number(text: str, what: str, high: float = MAX_SECONDS) -> float:
     return value
 
 
-def _budget(text: str) -> int:
-    value = parse_size(text)
+def _budget(text: str, what: str = "max_bytes") -> int:
+    value = parse_size(text, what)
     if value > MAX_BUDGET:
-        raise StoreError(f"invalid max_bytes={text!r}: at most {MAX_BUDGET} bytes")
+        raise StoreError(f"invalid {what}={text!r}: at most {MAX_BUDGET} bytes")
     return value
+
+
+def _entry_limit(options: dict[str, str]) -> dict[str, int]:
+    """``max_entry_bytes`` as a keyword argument, when the URL gives it."""
+    return (
+        {"max_entry_bytes": _budget(options["max_entry_bytes"], "max_entry_bytes")}
+        if "max_entry_bytes" in options
+        else {}
+    )
 
 
 def open_store(url: str, namespace: str) -> Store:
@@ -97,7 +106,7 @@ def _file_store(url: str, parts, scheme: str, options: dict[str, str], namespace
         if name in options
     }
     max_bytes = _budget(options["max_bytes"]) if "max_bytes" in options else None
-    return FileStore(root, namespace, max_bytes, **kwargs)
+    return FileStore(root, namespace, max_bytes, **kwargs, **_entry_limit(options))
 
 
 def _redis_store(url: str, parts, scheme: str, options: dict[str, str], namespace: str) -> RedisStore:
@@ -129,6 +138,7 @@ def _redis_store(url: str, parts, scheme: str, options: dict[str, str], namespac
         cluster=cluster,
         nodes=hosts[1:],
         **({"prefix": options["prefix"]} if "prefix" in options else {}),
+        **_entry_limit(options),
         **numbers,  # type: ignore[arg-type]
     )
 
