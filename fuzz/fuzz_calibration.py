@@ -1,13 +1,24 @@
 """Hostile calibration files: a seeded mutation loop over ``Calibration.from_bytes`` and ``Calibration.load``.
 
-Seeds: the checked-in fixture calibration and one fitted here with sensitivity feature scales (so the
-``scale`` tensors and the version-2/3 fields are present). Each input is one of them mutated
+Seeds: the checked-in fixture calibration, one fitted here with sensitivity feature scales (so the
+``scale`` tensors and the version-2/3 fields are present) and a version-9 one (below). Each input is one of them
+mutated
 
 * at the metadata level: a field replaced by random JSON of a random type, fields removed or added, integer
   and list edits, deep nesting (up to 200,000 levels), NaN / Infinity / 1e999 / 5,000-digit numbers, huge
   counts (a million layers, 2**40 heads, a segment repeated 10**15 times), edits of the JSON text itself;
 * in the safetensors tensor table: dtypes, shapes and data offsets changed, entries removed or duplicated;
+* in the safetensors metadata itself (which safetensors defines as an object of strings): the ``kvtc`` entry or
+  an extra one made a number (up to 10**15, or an integer of up to 300,000 digits), null, a list, an object,
+  NaN, or a string of megabytes; ``__metadata__`` made a non-object; more entries than a calibration may hold;
+* huge integers (25 to 300,000 digits) in any metadata field or in the tensor table;
+* in the tensors' values: a zero, negative, denormal, infinite or NaN value written into a tensor a decode
+  divides by or multiplies in (scales, standard deviations, eigenvalues, means, bases, queries, token map),
+  either in the bytes (the checksum then fails too) or forged (the hash and checksum recomputed, so only the value
+  is wrong);
 * at the byte level: bit flips, truncations, insertions, a wrong header length, random bytes.
+
+The version-9 seed adds mean queries, their map and a token map: every kind of tensor a calibration holds.
 
 Properties per input: only :class:`kvtc.errors.CalibrationError` escapes (from the bytes, and from a file
 written to a temp dir), each call returns within ``TIME_LIMIT_S``, and the process's peak RSS grows by less
@@ -35,7 +46,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from common import Tally, campaign_args, hwm, reset_hwm, write_summary  # noqa: E402
-from fuzz_container import INTERESTING_INTS, _get, _paths, mutate_json_text, mutate_tree  # noqa: E402
+from fuzz_container import INTERESTING_INTS, _get, _paths, junk, mutate_json_text, mutate_tree  # noqa: E402
 
 FIXTURE = HERE.parent / "tests" / "fixtures" / "calibration.safetensors"
 TIME_LIMIT_S = 1.0
@@ -74,7 +85,34 @@ def build_seeds() -> dict[str, bytes]:
     # timings would make the seed (and so every mutation) differ per run
     cal = dataclasses.replace(cal, stats={"seconds": {"total": 0.0}})
     seeds["scaled"] = cal.to_bytes()
+    seeds["rich"] = rich_seed(cal, g).to_bytes()
     return seeds
+
+
+def rich_seed(cal: Any, g: Any) -> Any:
+    """``cal`` with mean queries, their key-to-query map and a token map (a version-9 calibration)."""
+    import torch
+
+    from kvtc.calibration.token_map import LAGS, PROBE_ROWS, TokenMap
+
+    lay = cal.layout
+    f, p, emb, vocab, groups = LAGS * 4, lay.num_features, 4, 64, 2
+    tm = TokenMap(
+        LAGS,
+        vocab,
+        torch.randn(f, generator=g),
+        torch.rand(f, generator=g) + 0.1,
+        {k: (torch.randn(f, p, generator=g) * 0.05).half() for k in ("keys", "values")},
+        torch.randn(PROBE_ROWS, emb, generator=g),
+    )
+    n, heads, d = len(lay.layers), len(lay.heads), lay.head_dim
+    return dataclasses.replace(
+        cal,
+        queries=torch.randn(n, heads, groups, d, generator=g),
+        query_scales=torch.full((n,), d**-0.5),
+        query_map=torch.randn(n, heads, d + 1, groups * d, generator=g) * 0.1,
+        token_map=tm,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the file's parts
@@ -96,6 +134,15 @@ def join(header: Any, meta_text: str, body: bytes) -> bytes:
 
 def _dump(meta: Any) -> str:
     return json.dumps(meta, allow_nan=True)
+
+
+def join_raw(header: dict, metadata_text: str, body: bytes) -> bytes:
+    """Like :func:`join`, with ``__metadata__`` given as raw JSON text (numbers no Python int is built for)."""
+    h = dict(header)
+    h["__metadata__"] = "@@METADATA@@"
+    raw = json.dumps(h).replace('"@@METADATA@@"', metadata_text, 1).encode("utf-8", "surrogatepass")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body
 
 
 # ------------------------------------------------------------------------------------------ mutators
@@ -184,6 +231,119 @@ def m_tensor_table(rng, header, meta, body):
     return join(header, _dump(meta), body)
 
 
+def _huge_int(rng: random.Random) -> str:
+    return "-" * (rng.random() < 0.3) + "9" * rng.choice((21, 25, 100, 4300, 4301, 100_000, 300_000))
+
+
+def _not_a_string(rng: random.Random) -> str:
+    """JSON text of a value safetensors metadata may not hold (it holds strings)."""
+    return rng.choice(
+        [
+            lambda: str(rng.choice((0, 1, -1, 8, 1 << 20, 10**8, 10**12, 10**15))),
+            lambda: _huge_int(rng),
+            lambda: rng.choice(("null", "true", "false", "[]", "{}", "[1, 2]", '{"a": 1}', '["x"]')),
+            lambda: rng.choice(("NaN", "Infinity", "-Infinity", "1e999", "0.5", "-0.0", "1e-400")),
+            lambda: json.dumps(junk(rng)),
+        ]
+    )()
+
+
+def m_header_metadata(rng, header, meta, body):
+    """The safetensors metadata made what safetensors does not allow (non-strings) or too large."""
+    kvtc = json.dumps(_dump(meta))
+    r = rng.random()
+    if r < 0.35:
+        text = '{"kvtc": ' + _not_a_string(rng) + "}"
+    elif r < 0.6:
+        text = (
+            '{"kvtc": ' + kvtc + ", " + json.dumps(rng.choice(("other", "", "kvtc2"))) + ": " + _not_a_string(rng) + "}"
+        )
+    elif r < 0.75:
+        text = _not_a_string(rng)  # __metadata__ itself not an object
+    elif r < 0.85:
+        n = rng.choice((65, 200, 5000))
+        text = '{"kvtc": ' + kvtc + "".join(f', "k{i}": "v"' for i in range(n)) + "}"
+    else:
+        junk_text = json.dumps("x" * rng.choice((1 << 16, 1 << 20, 4 << 20)))
+        text = '{"kvtc": ' + (junk_text if rng.random() < 0.5 else kvtc + ', "other": ' + junk_text) + "}"
+    return join_raw(header, text, body)
+
+
+def m_huge_ints(rng, header, meta, body):
+    """An integer of many digits in a metadata field or in the tensor table."""
+    if rng.random() < 0.7:
+        return join(header, _replace_text(meta, rng, _huge_int(rng)), body)
+    h = copy.deepcopy(header)
+    entry = h[rng.choice(sorted(h))]
+    field_name = rng.choice(("shape", "data_offsets"))
+    if isinstance(entry.get(field_name), list) and entry[field_name]:
+        entry[field_name][rng.randrange(len(entry[field_name]))] = "@@INT@@"
+    return _join_text(json.dumps(h).replace('"@@INT@@"', _huge_int(rng), 1), meta, body)
+
+
+def _join_text(header_text: str, meta: Any, body: bytes) -> bytes:
+    """A file of a raw header text (a JSON object without ``__metadata__``) and the kvtc metadata."""
+    text = header_text.rstrip()
+    sep = ", " if text != "{}" else ""
+    raw = (text[:-1] + sep + '"__metadata__": ' + json.dumps({"kvtc": _dump(meta)}) + "}").encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+#: values no decode can use, in any float tensor (the ones a check must refuse depend on the tensor)
+BAD_VALUES = [0.0, -0.0, -1.0, 1e-40, 1e-45, 1.1754942e-38, 5e-7, float("inf"), float("-inf"), float("nan"), 3.4e38]
+_PACK = {"F32": "<f", "F16": "<e"}
+
+
+def m_tensor_bytes(rng, header, meta, body):
+    """A bad value written into a tensor's bytes (the checksum no longer matches either)."""
+    name = rng.choice(sorted(header))
+    entry = header[name]
+    fmt = _PACK.get(entry.get("dtype"))
+    a, b = entry["data_offsets"]
+    if fmt is None or b <= a:
+        return join(header, _dump(meta), body)
+    width = struct.calcsize(fmt)
+    i = a + width * rng.randrange((b - a) // width)
+    value = rng.choice(BAD_VALUES)
+    try:
+        packed = struct.pack(fmt, value)
+    except (OverflowError, struct.error):
+        packed = struct.pack(fmt, float("inf"))
+    return join(header, _dump(meta), body[:i] + packed + body[i + width :])
+
+
+def m_tensor_forged(rng, header, meta, body):
+    """A bad value written into a tensor of the calibration, its hash and checksum recomputed (as a forger would):
+    only the value is wrong."""
+    from kvtc.calibration import Calibration
+
+    cal = Calibration.from_bytes(join(header, _dump(meta), body))
+    name = rng.choice(sorted(cal._tensors()))
+    target = _live_tensor(cal, name)
+    flat = target.view(-1)
+    if flat.numel():
+        flat[rng.randrange(flat.numel())] = rng.choice(BAD_VALUES)
+    cal.hash = cal._compute_hash()
+    return cal.to_bytes()
+
+
+def _live_tensor(cal: Any, name: str) -> Any:
+    """The tensor of ``cal`` a file's tensor ``name`` is written from (not a copy)."""
+    if name == "queries":
+        return cal.queries
+    if name == "queries.scale":
+        return cal.query_scales
+    if name == "queries.map":
+        return cal.query_map
+    if name.startswith("tokens."):
+        part = name.split(".", 1)[1]
+        tm = cal.token_map
+        return tm.weights[part] if part in ("keys", "values") else getattr(tm, part)
+    kind, g, part = name.split(".")
+    return getattr(cal.pcas[kind][int(g)], part)
+
+
 def m_bytes(rng: random.Random, data: bytes) -> bytes:
     b = bytearray(data)
     r = rng.random()
@@ -226,6 +386,10 @@ META_MUTATORS = {
     "huge_counts": (m_counts, 8),
     "meta_text": (m_meta_text, 12),
     "tensor_table": (m_tensor_table, 10),
+    "header_metadata": (m_header_metadata, 10),
+    "huge_ints": (m_huge_ints, 6),
+    "tensor_bytes": (m_tensor_bytes, 6),
+    "tensor_forged": (m_tensor_forged, 10),
 }
 
 

@@ -43,21 +43,22 @@ from .. import __version__
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
+from ..textsafe import printable
 from .digest import content_hash, decoding_hash
 from .meta import (
     FORMAT_NAME,
     FORMAT_VERSION,
-    MAX_META_BYTES,
+    header_length,
+    kvtc_meta,
     needed_version,
-    parse_json,
-    read_meta,
+    read_header,
     saved_version,
     tensor_names,
 )
 from .pca import PCAResult
 from .plan import Plan
 from .token_map import TokenMap
-from .validation import shard, validate
+from .validation import check_tensors, shard, validate
 
 KINDS = ("keys", "values")
 
@@ -134,7 +135,7 @@ class Calibration:
         mine = self.layout
         if layout.model_shape != mine.model_shape:
             raise CalibrationMismatch(
-                f"the calibration was made for another model ({self.model_id or 'unnamed'}: layers "
+                f"the calibration was made for another model ({printable(self.model_id or 'unnamed', 80)}: layers "
                 f"{_short(mine.layers)}, {mine.num_kv_heads} KV heads, head_dim {mine.head_dim}) than {model} "
                 f"(layers {_short(layout.layers)}, {layout.num_kv_heads} KV heads, head_dim {layout.head_dim}); "
                 "use a calibration made for this model (`kvtc calibrate --model ...`)"
@@ -282,59 +283,62 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
-        """Load and fully validate a calibration file. Raises :class:`CalibrationError` on anything wrong."""
+        """Load and fully validate a calibration file. Raises :class:`CalibrationError` on anything wrong.
+
+        The safetensors header is read and bounded here (:func:`~kvtc.calibration.meta.read_header`), the kvtc
+        metadata validated and the tensor table matched against it, before safetensors reads anything."""
         path = Path(path)
         if not path.is_file():
             raise CalibrationError(f"calibration file {path} does not exist; create one with `kvtc calibrate`")
         try:
+            with open(path, "rb") as raw:
+                size = os.fstat(raw.fileno()).st_size
+                n = header_length(raw.read(8), size, path)
+                table, metadata = read_header(raw.read(n), path)
+            meta = kvtc_meta(metadata, path)
+            expected = tensor_names(meta)
+            if set(table) != expected:
+                raise CalibrationError(
+                    f"{path}: tensors {_names(set(table) ^ expected)} missing or unexpected; the file is corrupt"
+                )
             with safe_open(str(path), framework="pt") as f:
-                meta_raw = (f.metadata() or {}).get("kvtc")
-                if meta_raw is None:
-                    raise CalibrationError(f"{path} is a safetensors file but not a kvtc calibration")
-                if len(meta_raw) > MAX_META_BYTES:
-                    raise CalibrationError(f"{path}: calibration metadata too large")
-                meta = read_meta(meta_raw, path)
-                expected = tensor_names(meta)
-                names = set(f.keys())
-                if names != expected:
-                    raise CalibrationError(
-                        f"{path}: tensors {sorted(names ^ expected)[:4]} missing or unexpected; the file is corrupt"
-                    )
-                tensors = {name: f.get_tensor(name) for name in sorted(names)}
+                # the file read twice: refuse one that changed in between
+                if (f.metadata() or {}) != metadata or set(f.keys()) != expected:
+                    raise CalibrationError(f"{path} changed while it was read; load it again")
+                tensors = {name: f.get_tensor(name) for name in sorted(expected)}
         except SafetensorError as e:
-            raise CalibrationError(f"{path} is not a readable calibration file ({e}); recreate it") from None
+            raise CalibrationError(f"{path} is not a readable calibration file ({printable(e)}); recreate it") from None
         except (OSError, ValueError) as e:
             if isinstance(e, CalibrationError):
                 raise
-            raise CalibrationError(f"cannot read calibration {path}: {e}") from None
+            raise CalibrationError(f"cannot read calibration {path}: {printable(e)}") from None
         return cls.from_parts(meta, tensors, source=str(path))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Calibration:
+        """A calibration from a file's bytes, checked as :meth:`load` checks a file."""
         from safetensors.torch import load
 
-        # metadata first, read from the header (safetensors.torch.load drops it), validated before the tensors
-        if len(data) < 8:
-            raise CalibrationError("not a calibration: too short")
-        n = int.from_bytes(data[:8], "little")
-        if n > min(len(data) - 8, MAX_META_BYTES):
-            raise CalibrationError("not a calibration: bad header length")
-        try:
-            header = parse_json(data[8 : 8 + n], "<bytes>")
-            meta_raw = header["__metadata__"]["kvtc"]
-        except (KeyError, TypeError):
-            raise CalibrationError("not a kvtc calibration (no kvtc metadata)") from None
-        meta = read_meta(meta_raw, "<bytes>")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise CalibrationError(f"a calibration is read from bytes, not {type(data).__name__}")
+        data = bytes(data)
+        # the header first, bounded, and the metadata validated (safetensors.torch.load drops it) before the tensors
+        n = header_length(data[:8], len(data), "<bytes>")
+        table, metadata = read_header(data[8 : 8 + n], "<bytes>")
+        meta = kvtc_meta(metadata, "<bytes>")
+        if set(table) != tensor_names(meta):
+            raise CalibrationError("<bytes>: calibration tensors do not match its metadata; the file is corrupt")
         try:
             tensors = load(data)
         except Exception as e:  # safetensors raises several types for garbage input
-            raise CalibrationError(f"not a calibration: {e}") from None
+            raise CalibrationError(f"not a calibration: {printable(e)}") from None
         if set(tensors) != tensor_names(meta):
             raise CalibrationError("calibration tensors do not match its metadata")
         return cls.from_parts(meta, tensors, source="<bytes>")
 
     @classmethod
     def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: str) -> Calibration:
+        check_tensors(tensors, source)
         try:
             layout = KVLayout.from_dict(meta["layout"])
             grouping = PCAGrouping.from_dict(meta["grouping"])
@@ -403,6 +407,11 @@ class Calibration:
 
         Only possible when every PCA group lies within the shard (``PCAGrouping("head_shards", n)``)."""
         return shard(self, heads)
+
+
+def _names(names: set[str]) -> str:
+    """A few of a file's tensor names, each made printable."""
+    return ", ".join(repr(printable(n, 60)) for n in sorted(names)[:4]) + (" ..." if len(names) > 4 else "")
 
 
 def _short(layers: tuple[int, ...]) -> str:

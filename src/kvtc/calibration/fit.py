@@ -360,10 +360,13 @@ def _check_scales(scales: Mapping[str, torch.Tensor] | None, p: int) -> dict[str
         if (
             not isinstance(s, torch.Tensor)
             or s.shape != (p,)
-            or not bool(torch.isfinite(s).all())
-            or not bool((s > 0).all())
+            or not bool(torch.isfinite(s.float()).all())
+            or not bool((s.float() >= torch.finfo(torch.float32).tiny).all())
         ):
-            raise CalibrationError(f"feature_scale[{kind!r}] must be a positive finite [{p}] tensor")
+            raise CalibrationError(
+                f"feature_scale[{kind!r}] must be a positive finite [{p}] tensor, no value below float32's smallest "
+                "normal"
+            )
         out[kind] = s.detach().float().cpu()
     return out
 

@@ -18,6 +18,8 @@ from typing import Any
 from ..errors import CalibrationError
 from ..layout import DTYPES, MAX_TOKENS, PCAGrouping
 from ..quant import DROP, FIXED_TYPES, FP8, INT1S, INT2, INT4, TYPE_NAMES
+from ..textsafe import printable
+from .plan import MAX_STEP, MIN_STEP
 
 #: what a calibration may declare (the largest served models are far below these)
 MAX_LAYERS = 1 << 12
@@ -53,6 +55,17 @@ _KINDS = ("keys", "values")
 FORMAT_NAME = "kvtc-calibration"
 #: bound on the JSON metadata we are willing to parse
 MAX_META_BYTES = 64 << 20
+#: nesting of the metadata's JSON as a whole (its own structure is 7 levels deep; ``corpus``, ``stats`` and
+#: ``rope`` are further held to :data:`MAX_DEPTH`), checked on the text before it is parsed
+MAX_JSON_DEPTH = MAX_DEPTH + 8
+#: digits in a row of one JSON number: a safetensors offset or a sample count is below 2**64 (20 digits), a float
+#: written by ``json.dumps`` has at most 17; a longer one is refused before Python builds it
+MAX_INT_DIGITS = 24
+#: the safetensors header of a calibration file: its JSON (the tensor table and the metadata), its tensors and
+#: its metadata entries (a kvtc calibration writes one, ``kvtc``; another writer may add a few short ones)
+MAX_HEADER_BYTES = MAX_META_BYTES + (16 << 20)
+MAX_TENSORS = 1 << 17
+MAX_META_ENTRIES = 64
 
 
 #: Calibration file versions. 1: unweighted; 2: some PCA group carries a feature scale (a version-1 reader must
@@ -108,25 +121,118 @@ def saved_version(
     return max(FORMAT_VERSION, needed_version(types, weighted))
 
 
-def parse_json(raw: str | bytes, source: Any) -> Any:
-    """``json.loads`` that refuses NaN / Infinity and nesting too deep to walk, as a CalibrationError."""
-
-    def no_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not a number a calibration may hold")
-
-    text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8", "replace")
-    values = text.count(",") + text.count(":")
+def parse_json(raw: Any, source: Any, limit: int = MAX_META_BYTES) -> Any:
+    """``json.loads`` of untrusted text (a ``str`` or bytes of at most ``limit`` bytes), bounded before anything is
+    built: the text's type and size, its count of values (:data:`MAX_VALUES`), and, by one vectorised scan of the
+    text (:func:`scan_json`), its nesting (:data:`MAX_JSON_DEPTH`) and the length of every number
+    (:data:`MAX_INT_DIGITS` digits in a row: no huge ``int`` is ever built, no long float parsed); NaN and Infinity
+    are refused. Anything wrong is a :class:`CalibrationError`."""
+    if isinstance(raw, str):
+        if len(raw) > limit:  # characters: each is at least one byte of the file
+            raise CalibrationError(f"{source}: calibration metadata larger than {limit} bytes; the file is corrupt")
+        try:
+            data = raw.encode("utf-8")  # for the scan only: parsed is the string itself
+        except UnicodeEncodeError:
+            raise CalibrationError(f"{source}: calibration metadata is not valid UTF-8; the file is corrupt") from None
+    elif isinstance(raw, (bytes, bytearray, memoryview)):
+        data = bytes(raw)  # bytes the caller already holds (no copy of exact bytes)
+    else:
+        raise CalibrationError(
+            f"{source}: calibration metadata must be a JSON string, got {type(raw).__name__}; the file is corrupt"
+        )
+    if len(data) > limit:
+        raise CalibrationError(f"{source}: calibration metadata larger than {limit} bytes; the file is corrupt")
+    values = data.count(b",") + data.count(b":")
     if values > MAX_VALUES:
         raise CalibrationError(
             f"{source}: calibration metadata holds about {values} values, more than the "
             f"{MAX_VALUES} any calibration needs; the file is corrupt or hostile"
         )
+    # the scan's two parts run only where they could find something: past MAX_JSON_DEPTH brackets, and where some
+    # run of digits (in a string or not) is longer than MAX_INT_DIGITS
+    nest = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
+    runs = _LONG_RUN in data.translate(_DIGITS)
+    shape = scan_json(data, nest, runs) if nest or runs else (0, 0)
+    if shape is None or shape[0] > MAX_JSON_DEPTH:
+        raise CalibrationError(
+            f"{source}: calibration metadata is unbalanced or nested more than {MAX_JSON_DEPTH} levels deep; "
+            "the file is corrupt or hostile"
+        )
+    if shape[1] > MAX_INT_DIGITS:
+        raise CalibrationError(
+            f"{source}: calibration metadata holds a number of {shape[1]} digits, more than the {MAX_INT_DIGITS} "
+            "any calibration writes; the file is corrupt or hostile"
+        )
     try:
-        return json.loads(text, parse_constant=no_constant)
+        text = raw if isinstance(raw, str) else data.decode("utf-8")
+        del data
+        return json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise CalibrationError(
-            f"{source}: calibration metadata is not valid JSON ({str(e)[:80]}); recreate the file"
+            f"{source}: calibration metadata is not valid JSON ({printable(e, 80)}); recreate the file"
         ) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a calibration may hold")
+
+
+#: bytes of JSON text per vectorised step of :func:`scan_json`
+SCAN_CHUNK = 1 << 18
+_QUOTE, _BACKSLASH = b'"', b"\\"
+#: :func:`scan_json`'s classes of a byte: 0 other, 1 digit, 2 quote, 3 opening and 4 closing bracket
+_TABLE = bytearray(256)
+_TABLE[0x30:0x3A] = b"\x01" * 10
+_TABLE[0x22], _TABLE[0x5B], _TABLE[0x7B], _TABLE[0x5D], _TABLE[0x7D] = 2, 3, 3, 4, 4
+_CLASSES = bytes(_TABLE)
+#: every digit to 1, every other byte to 0; a run of digits longer than MAX_INT_DIGITS in that
+_DIGITS = bytes(1 if 0x30 <= b <= 0x39 else 0 for b in range(256))
+_LONG_RUN = b"\x01" * (MAX_INT_DIGITS + 1)
+
+
+def scan_json(data: bytes, nest: bool = True, runs: bool = True) -> tuple[int, int] | None:
+    """``(deepest nesting of [ and {, longest run of digits)`` outside the strings of JSON text ``data``, or None
+    when a bracket closes what is not open. Vectorised (numpy, in chunks of :data:`SCAN_CHUNK`): a few passes over
+    the text, the rest on the positions of its quotes, brackets and digit runs. Escaped backslashes and quotes
+    are removed first (from each chunk: none ends in a backslash), so that every quote left opens or closes a
+    string (in valid JSON; invalid JSON is refused by ``json.loads`` after this scan): a position lies in a string
+    when an odd number of quotes precede it. ``nest`` / ``runs`` False: that part is skipped (and reads 0)."""
+    import numpy as np
+
+    quotes_before = depth = deepest = run = longest = 0
+    pos = 0
+    while pos < len(data):
+        end = min(pos + SCAN_CHUNK, len(data))
+        while end < len(data) and data[end - 1] == 0x5C:  # no escape is cut in two
+            end += 1
+        piece = data[pos:end]
+        pos = end
+        if _BACKSLASH in piece:
+            piece = piece.replace(_BACKSLASH + _BACKSLASH, b"").replace(_BACKSLASH + _QUOTE, b"")
+            if not piece:
+                continue
+        cls = np.frombuffer(piece.translate(_CLASSES), dtype=np.uint8)
+        quotes = np.flatnonzero(cls == 2)
+        before, quotes_before = quotes_before, quotes_before + quotes.size
+        if nest:
+            brackets = np.flatnonzero(cls >= 3)
+            brackets = brackets[(np.searchsorted(quotes, brackets) + before) % 2 == 0]  # outside strings
+            if brackets.size:
+                level = np.cumsum(np.where(cls[brackets] == 3, 1, -1)) + depth
+                if int(level.min()) < 0:
+                    return None
+                deepest, depth = max(deepest, int(level.max())), int(level[-1])
+        if runs:
+            # runs of digits: the segments between the positions where digit-ness changes, outside strings
+            digit = (cls == 1).view(np.int8)
+            starts = np.concatenate(([0], np.flatnonzero(digit[1:] != digit[:-1]) + 1))
+            lengths = np.diff(np.concatenate((starts, [cls.size])))
+            lengths[0] += run if digit[0] else 0  # a run carried over from the previous chunk
+            counted = (digit[starts] == 1) & ((np.searchsorted(quotes, starts) + before) % 2 == 0)
+            if counted.any():
+                longest = max(longest, int(lengths[counted].max()))
+            run = int(lengths[-1]) if counted[-1] else 0
+    return deepest, longest
 
 
 def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
@@ -161,6 +267,11 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
         _bounded_depth(meta["rope"], f"{where} 'rope'")
     limits, heads, head_dim = _layout(meta.get("layout"), f"{where} 'layout'")
     groups, width = _groups(meta.get("grouping"), limits, heads, head_dim, f"{where} 'grouping'")
+    if 8 * groups + 8 > MAX_TENSORS:
+        raise CalibrationError(
+            f"{where} 'grouping' implies {groups} PCA groups, more than a file of {MAX_TENSORS} tensors holds; "
+            "the file is corrupt or hostile"
+        )
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
     if version == QUERY_MAP_VERSION and meta.get("queries") is None:
@@ -224,6 +335,8 @@ def _list(x: Any, what: str, most: int) -> list[Any]:
 def _show(x: Any) -> str:
     if isinstance(x, (list, dict)):
         return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, str):
+        return repr(x[:40])  # repr escapes every character a terminal could act on
     text = repr(x) if not isinstance(x, int) or abs(x) < 1 << 64 else "a huge integer"
     return text[:40]
 
@@ -239,6 +352,8 @@ def _bounded_depth(x: Any, what: str) -> None:
             stack.extend((w, depth + 1) for w in v.values())
         elif isinstance(v, list):
             stack.extend((w, depth + 1) for w in v)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise CalibrationError(f"{what} holds a number that overflows a float; the file is corrupt")
 
 
 def _layout(d: Any, what: str) -> tuple[list[int], int, int]:
@@ -334,10 +449,10 @@ def _plans(d: Any, groups: int, width: int, what: str) -> None:
         if not (len(key) <= 32 and math.isfinite(ratio) and ratio > 0):
             raise CalibrationError(f"{what}: ratio {_show(key)} is not a positive number; the file is corrupt")
         if not isinstance(by_kind, dict) or set(by_kind) != set(_KINDS):
-            raise CalibrationError(f"{what} '{key}' must have plans for keys and values")
+            raise CalibrationError(f"{what} {_show(key)} must have plans for keys and values")
         for kind in _KINDS:
-            for plan in _per_group(by_kind[kind], groups, f"{what} '{key}' '{kind}'"):
-                segments += _plan(plan, width, f"{what} '{key}' '{kind}'")
+            for plan in _per_group(by_kind[kind], groups, f"{what} {_show(key)} '{kind}'"):
+                segments += _plan(plan, width, f"{what} {_show(key)} '{kind}'")
                 if segments > MAX_SEGMENTS:
                     raise CalibrationError(f"{what} declare more than {MAX_SEGMENTS} segments; the file is corrupt")
 
@@ -368,14 +483,77 @@ def _plan(p: Any, width: int, what: str) -> int:
     if not isinstance(p["exact"], bool):
         raise CalibrationError(f"{what} 'exact' must be true or false; the file is corrupt")
     for c in _list(p.get("clips", []), f"{what} clips", MAX_FEATURES):
-        # clips lie in (0, 1], a fixed-step group's step is any positive float (the plan checks which is which)
-        if not 0 < _number(c, f"{what} clip") < 3.4e38:
-            raise CalibrationError(f"{what}: clips and steps must be positive floats; the file is corrupt")
+        # clips lie in (0, 1], a fixed-step group's step is a positive float32 whose largest code stays finite
+        # (the plan checks which is which); a step that is zero, denormal or overflows in float32 never decodes
+        if not MIN_STEP <= _number(c, f"{what} clip") <= MAX_STEP:
+            raise CalibrationError(
+                f"{what}: clips and steps must be positive floats in [{MIN_STEP:.3g}, {MAX_STEP:.3g}] (normal "
+                f"float32 whose largest code stays finite), got {_show(c)}; the file is corrupt: rebuild the "
+                "calibration (`kvtc calibrate`)"
+            )
     return len(segs)
 
 
-def read_meta(raw: str, source: Any) -> dict[str, Any]:
-    """A calibration file's ``kvtc`` metadata, parsed and validated (:func:`validate_meta`) before any tensor is read."""
+def header_length(first: bytes, size: int, source: Any) -> int:
+    """The length of a safetensors file's JSON header from its first 8 bytes, refused (before anything is read
+    or allocated) unless it fits the file of ``size`` bytes and :data:`MAX_HEADER_BYTES`."""
+    if len(first) < 8 or size < 8:
+        raise CalibrationError(f"{source} is not a calibration: too short to hold a safetensors header")
+    n = int.from_bytes(first[:8], "little")
+    if not 2 <= n <= min(size - 8, MAX_HEADER_BYTES):
+        raise CalibrationError(
+            f"{source} is not a calibration: its header length {n} does not fit the file of {size} bytes "
+            f"(or is more than {MAX_HEADER_BYTES}); the file is corrupt or hostile"
+        )
+    return n
+
+
+def read_header(raw: bytes, source: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """A safetensors header's tensor table and its metadata, checked before any tensor is read: the JSON bounded
+    as :func:`parse_json` bounds it, at most :data:`MAX_TENSORS` tensors, and metadata that is what safetensors
+    defines (an object of strings) with at most :data:`MAX_META_ENTRIES` entries, each key at most
+    :data:`MAX_TEXT` characters and each value at most :data:`MAX_META_BYTES`."""
+    header = parse_json(raw, source, MAX_HEADER_BYTES)
+    if not isinstance(header, dict):
+        raise CalibrationError(f"{source} is not a calibration: its safetensors header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    table = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    if len(table) > MAX_TENSORS:
+        raise CalibrationError(
+            f"{source}: {len(table)} tensors, more than the {MAX_TENSORS} a calibration may hold; "
+            "the file is corrupt or hostile"
+        )
+    if not all(isinstance(entry, dict) for entry in table.values()):
+        raise CalibrationError(f"{source} is not a calibration: a tensor table entry is not an object")
+    if not isinstance(metadata, dict) or len(metadata) > MAX_META_ENTRIES:
+        raise CalibrationError(
+            f"{source}: safetensors metadata must be an object of at most {MAX_META_ENTRIES} strings, got "
+            f"{_show(metadata)}; the file is corrupt or hostile"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_TEXT or not isinstance(value, str) or len(value) > MAX_META_BYTES:
+            raise CalibrationError(
+                f"{source}: safetensors metadata entry {_show(key)} must be a string of at most {MAX_META_BYTES} "
+                f"characters, got {_show(value)}; the file is corrupt or hostile"
+            )
+    return table, metadata
+
+
+def kvtc_meta(metadata: dict[str, str], source: Any) -> dict[str, Any]:
+    """The validated kvtc metadata of a safetensors file's metadata (:func:`read_header`)."""
+    raw = metadata.get("kvtc")
+    if raw is None:
+        raise CalibrationError(f"{source} is a safetensors file but not a kvtc calibration (no kvtc metadata)")
+    return read_meta(raw, source)
+
+
+def read_meta(raw: Any, source: Any) -> dict[str, Any]:
+    """A calibration file's ``kvtc`` metadata, parsed and validated (:func:`validate_meta`) before any tensor is read:
+    anything but a string of at most :data:`MAX_META_BYTES` is refused before it is parsed."""
+    if not isinstance(raw, str):
+        raise CalibrationError(
+            f"{source}: calibration metadata must be a string, got {type(raw).__name__}; the file is corrupt"
+        )
     meta = parse_json(raw, source)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CalibrationError(f"{source} is not a kvtc calibration")

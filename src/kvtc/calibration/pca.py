@@ -59,9 +59,9 @@ class PCAResult:
             self.scale.shape != (p,)
             or self.scale.dtype != torch.float32
             or not bool(torch.isfinite(self.scale).all())
-            or not bool((self.scale > 0).all())
+            or not bool((self.scale >= torch.finfo(torch.float32).tiny).all())
         ):
-            raise CalibrationError(f"feature scale must be [{p}] positive finite float32")
+            raise CalibrationError(f"feature scale must be [{p}] positive finite float32, none denormal")
 
     def truncate(self, k: int) -> PCAResult:
         return PCAResult(
@@ -153,12 +153,15 @@ class CovarianceAccumulator:
         basis = evecs[:, order].T.contiguous().float()
         mean = (self.pivot.double() + d).float()
         return PCAResult(
-            mean.cpu(),
-            basis.cpu(),
-            evals[order].clamp(min=0).float().cpu(),
-            float(torch.trace(cov).clamp(min=0)),
-            self.count,
+            mean.cpu(), basis.cpu(), spectrum(evals[order]), float(torch.trace(cov).clamp(min=0)), self.count
         )
+
+
+def spectrum(evals: torch.Tensor) -> torch.Tensor:
+    """float32 eigenvalues as a calibration stores them: negatives (rounding) and values below float32's smallest
+    normal (which a reader refuses: :func:`~kvtc.calibration.validation.check_tensors`) are written as zero."""
+    ev = evals.float().cpu().clamp(min=0)
+    return torch.where(ev < torch.finfo(torch.float32).tiny, torch.zeros_like(ev), ev)
 
 
 def _chunks(source: RowSource | Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -215,7 +218,7 @@ def randomized_pca(
     # re-orthonormalise in float64 (rows), keeps the [k, p] convention exact to fp32 rounding
     basis, _ = torch.linalg.qr(basis.T)
     basis = basis.T.float().contiguous()
-    return PCAResult(mean.cpu(), basis.cpu(), evals[order].clamp(min=0).float().cpu(), max(total, 0.0), n)
+    return PCAResult(mean.cpu(), basis.cpu(), spectrum(evals[order]), max(total, 0.0), n)
 
 
 def fit_pca(

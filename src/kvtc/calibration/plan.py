@@ -9,7 +9,6 @@ serialization (calibration files carry plans; a malformed one is refused with a 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,10 @@ DEFAULT_TYPES: tuple[int, ...] = R9_TYPES + (INT2F, INT4F, INT8F)
 #: fixed-step candidates (ours): each component may take any step of a ladder ``top · 2^(-r/2)``, r < FIXED_RUNGS,
 #: ``top`` the largest standard deviation among the rows' components (rounded to float32)
 FIXED_RUNGS = 24
+#: the range of a fixed-step group's step: a normal float32 (a zero or denormal step divides the encoder's
+#: coefficients to infinity) whose largest code (``FIXED_HALF`` + 1 steps) stays finite in float32
+MIN_STEP = 2.0**-126
+MAX_STEP = 2.0**120
 #: candidate keys of fixed-step rungs: (1, _VIRTUAL + type * FIXED_RUNGS + rung); a plan stores the real type
 _VIRTUAL = 1 << 10
 
@@ -155,7 +158,11 @@ class Plan:
         if plan.clips:
             kept = [(size, t) for _, size, t in plan.groups() if t != DROP]
             if len(plan.clips) != len(kept) or any(
-                not (0.0 < c < math.inf if t in FIXED_TYPES else 0.0 < c <= 1.0 and (c == 1.0 or clippable(t, size)))
+                not (
+                    MIN_STEP <= c <= MAX_STEP
+                    if t in FIXED_TYPES
+                    else 0.0 < c <= 1.0 and (c == 1.0 or clippable(t, size))
+                )
                 for c, (size, t) in zip(plan.clips, kept)
             ):
                 raise CalibrationError("bit plan has clips that do not fit its groups; the file is corrupt")

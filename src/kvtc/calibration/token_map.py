@@ -20,6 +20,7 @@ encoded it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,9 @@ MAX_FIT_TOKENS = 20_000
 HOLDOUT_SHARE = 0.25
 #: embedding rows stored to recognise the model's embeddings
 PROBE_ROWS = 8
+#: the least standard deviation of a feature the fit keeps (a constant feature's): a file's ``tokens.std`` below it
+#: (as float32) was not written by the fit, and dividing by it could overflow the prediction
+STD_FLOOR = 1e-6
 KINDS = ("keys", "values")
 
 
@@ -98,10 +102,13 @@ class TokenMap:
         ):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
                 raise CalibrationError(f"token map {name} must be {dtype} {list(shape)}; the file is corrupt")
-            if not bool(torch.isfinite(t).all()):
+            if t.numel() and not all(math.isfinite(float(x)) for x in torch.aminmax(t)):  # NaN propagates
                 raise CalibrationError(f"token map {name} is not finite; the file is corrupt")
-        if not bool((self.std > 0).all()):
-            raise CalibrationError("token map standard deviations must be positive; the file is corrupt")
+        if not bool((self.std >= torch.tensor(STD_FLOOR, dtype=torch.float32)).all()):
+            raise CalibrationError(
+                f"token map standard deviations must be positive, at least {STD_FLOOR:g} (the fit's floor); the "
+                "file is corrupt: rebuild the calibration (`kvtc calibrate`)"
+            )
 
     # ------------------------------------------------------------------ file
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -231,7 +238,7 @@ class TokenMapFit:
         f = m.shape[0] - 1
         mu = m[-1, :f] / n
         var = (m.diagonal()[:f] / n - mu.square()).clamp_min(0)
-        sd = var.sqrt().clamp_min(1e-6)
+        sd = var.sqrt().clamp_min(STD_FLOOR)
         t = torch.zeros(f + 1, f + 1, dtype=torch.float64)  # [x, 1] @ t = [(x - mu) / sd, 1]
         t[:f, :f] = torch.diag(1 / sd)
         t[f, :f] = -mu / sd

@@ -3,12 +3,16 @@ every tensor and plan against the layout and grouping, and the cut of a tensor-p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import CalibrationError, CalibrationMismatch
 from ..layout import KVLayout, PCAGrouping
+from ..textsafe import printable
+from .token_map import STD_FLOOR
 
 if TYPE_CHECKING:
     from .artifact import Calibration
@@ -37,7 +41,7 @@ def validate(cal: Calibration) -> None:
             if pca.scale is not None and pca.scale.shape != (pg,):
                 raise CalibrationError(f"{kind} group {g}: feature scale must be [{pg}]")
             for name, t in (("mean", pca.mean), ("basis", pca.basis), ("eigenvalues", pca.eigenvalues)):
-                if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+                if t.dtype != torch.float32:
                     raise CalibrationError(f"{kind} group {g}: {name} must be finite float32")
     for key, by_kind in cal.plans.items():
         if set(by_kind) != set(KINDS):
@@ -59,21 +63,143 @@ def validate(cal: Calibration) -> None:
         if not 1 <= q.shape[2] <= 1 << 10 or sc.shape != (len(lay.layers),):
             raise CalibrationError("mean queries: query heads per KV head or logit scales out of shape")
         for name, t in (("mean queries", q), ("query logit scales", sc)):
-            if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+            if t.dtype != torch.float32:
                 raise CalibrationError(f"{name} must be finite float32")
-        if not bool((sc > 0).all()):
-            raise CalibrationError("query logit scales must be positive")
         m = cal.query_map
         if m is not None:
             want = (len(lay.layers), len(lay.heads), lay.head_dim + 1, q.shape[2] * lay.head_dim)
             if tuple(m.shape) != want:
                 raise CalibrationError(f"key-to-query map must be {list(want)}, got {list(m.shape)}")
-            if m.dtype != torch.float32 or not bool(torch.isfinite(m).all()):
+            if m.dtype != torch.float32:
                 raise CalibrationError("key-to-query map must be finite float32")
     elif cal.query_map is not None:
         raise CalibrationError("a key-to-query map comes with the mean queries")
     if cal.token_map is not None:
         cal.token_map.validate(cal.layout.num_features)
+    check_tensors(cal._tensors())
+
+
+#: what each calibration tensor's values must be, by the last part of its name (``{kind}.{g}.{part}``) or its
+#: whole name: "finite" (added or multiplied into a decode), "spectrum" (eigenvalues: zero or a positive normal
+#: float, as the fit writes them), "divisor" (a positive normal float: divided by, or its reciprocal used),
+#: "std" (the token map's standard deviations: at least the fit's floor :data:`~kvtc.calibration.token_map.STD_FLOOR`)
+_ROLES = {
+    "mean": "finite",
+    "basis": "finite",
+    "eigenvalues": "spectrum",
+    "scale": "divisor",
+    "queries": "finite",
+    "queries.map": "finite",
+    "queries.scale": "divisor",
+    "tokens.mean": "finite",
+    "tokens.std": "std",
+    "tokens.probe": "finite",
+    "tokens.keys": "finite",
+    "tokens.values": "finite",
+}
+_RULES = {
+    "finite": "finite values",
+    "spectrum": "eigenvalues that are finite and zero or at least {tiny:.4g} (the smallest normal float)",
+    "divisor": "positive finite values of at least {tiny:.4g} (the smallest normal float: a zero, negative or "
+    "denormal divisor decodes to inf or NaN)",
+    "std": "positive finite standard deviations of at least {floor:.4g} (the fit's floor)",
+}
+#: the dtype of the tensors that are not float32
+_DTYPES = {"tokens.keys": torch.float16, "tokens.values": torch.float16}
+
+
+def _role(name: str) -> str:
+    return _ROLES.get(name) or _ROLES.get(name.rsplit(".", 1)[-1], "finite")
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibration") -> None:
+    """Raise :class:`CalibrationError` (naming the tensor, and saying to rebuild the calibration) unless every
+    calibration tensor holds values a decode can use: float32 (the token map's weights float16) and finite;
+    eigenvalues zero or a positive normal float; feature scales and query logit scales positive normal floats (no
+    zero, negative or denormal value: decoding divides by them or by their reciprocals), the token map's standard
+    deviations at least :data:`~kvtc.calibration.token_map.STD_FLOOR`; and, where a PCA group is weighted, its
+    coder bases and mean (``basis / scale``, ``basis · scale``, ``mean / scale``) finite.
+
+    One vectorised pass over each tensor (its minimum and maximum, to which a NaN propagates), no copy of it; a
+    weighted basis is looked at column by column only when its extremes could overflow the coder's, and values one
+    by one only to name the first bad one."""
+    widest: dict[str, float] = {}  # the largest |value| of each weighted basis
+    for name, t in tensors.items():
+        want = _DTYPES.get(name, torch.float32)
+        if not isinstance(t, torch.Tensor) or t.dtype != want:
+            got = type(t).__name__ if not isinstance(t, torch.Tensor) else str(t.dtype)
+            raise CalibrationError(
+                f"{source}: tensor {printable(name)!r} must be {want}, got {got}; the file is corrupt: rebuild "
+                "the calibration (`kvtc calibrate`)"
+            )
+        if t.numel() == 0:
+            continue
+        role = _role(name)
+        lo, hi = (float(x) for x in torch.aminmax(t))
+        prefix, _, part = name.rpartition(".")
+        if part == "basis" and f"{prefix}.scale" in tensors:
+            widest[prefix] = max(hi, -lo)
+        least = {"finite": -math.inf, "spectrum": 0.0, "divisor": _tiny(t.dtype), "std": _std_floor()}[role]
+        # a NaN fails every comparison; -inf fails the finite one
+        good = lo >= least and lo > -math.inf and hi < math.inf
+        if good and role == "spectrum":
+            good = not bool(((t > 0) & (t < _tiny(t.dtype))).any())
+        if not good:
+            _refuse(source, name, t, role)
+    for prefix, top in widest.items():
+        basis, scale, mean = tensors[f"{prefix}.basis"], tensors[f"{prefix}.scale"], tensors.get(f"{prefix}.mean")
+        if mean is None or basis.dim() != 2 or not mean.shape == scale.shape == basis.shape[1:] or not scale.numel():
+            continue  # the shapes are refused by validate
+        # every |basis| / scale and |basis| * scale is finite when the extreme ones are (always so for an orthonormal
+        # basis, |values| <= 1, and normal scales); else each column is looked at
+        low, high = (float(x) for x in torch.aminmax(scale))  # positive normal floats: checked above
+        if _overflows(top / low) or _overflows(top * high):
+            lo_col, hi_col = torch.aminmax(basis, dim=0)
+            column = torch.maximum(hi_col, -lo_col)
+            checks = [("basis / scale", column / scale), ("basis * scale", column * scale)]
+        else:
+            checks = []
+        for what, v in [*checks, ("mean / scale", mean / scale)]:
+            if not bool(torch.isfinite(v).all()):
+                raise CalibrationError(
+                    f"{source}: tensors {printable(prefix)!r}.basis/mean/scale: the coder's {what} overflows float32; "
+                    "the file is corrupt or was edited: rebuild the calibration (`kvtc calibrate`)"
+                )
+
+
+def _overflows(x: float) -> bool:
+    """True when ``x`` (a Python float) is beyond float32's range."""
+    return not x < float(torch.finfo(torch.float32).max)
+
+
+def _tiny(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).tiny)
+
+
+def _std_floor() -> float:
+    return float(torch.tensor(STD_FLOOR, dtype=torch.float32))  # as the fit stores it
+
+
+def _refuse(source: Any, name: str, t: torch.Tensor, role: str) -> None:
+    tiny = _tiny(t.dtype)
+    ok = torch.isfinite(t)
+    if role == "spectrum":
+        ok &= (t == 0) | (t >= tiny)
+    elif role == "divisor":
+        ok &= t >= tiny
+    elif role == "std":
+        ok &= t >= _std_floor()
+    flat = ok.reshape(-1)
+    first = int(flat.to(torch.uint8).argmin())
+    bad = int((~flat).sum())
+    value = float(t.reshape(-1)[first])
+    rule = _RULES[role].format(tiny=tiny, floor=STD_FLOOR)
+    what = "token map " if name.startswith("tokens.") else ""
+    raise CalibrationError(
+        f"{source}: {what}tensor {printable(name)!r} holds {bad} value(s) a decode cannot use (e.g. {value!r} at "
+        f"index {first}); it must hold {rule}. The file is corrupt or was edited: rebuild the calibration "
+        "(`kvtc calibrate`)"
+    )
 
 
 def shard(cal: Calibration, heads: tuple[int, ...]) -> Calibration:
