@@ -1,7 +1,8 @@
 """The decoding allowance (docs/FORMAT.md, "Decoding allowance"): what a blob may cost to decode comes from facts the
 decoder checked against the calibration and from the blob's own bytes; no header field can raise it.
 
-For every encode mode (identity, one plan, two tiers, rate ladder, token map: container versions 1 and 3-5) a real
+For every encode mode (identity, one plan, one plan with a sliding-window layer, two tiers, rate ladder, token map:
+container versions 1-5) a real
 blob's header is forged, one field that enters the allowance at a time (batch, tokens, sinks and window, ratio,
 tier names and share, rungs and their counts, the token-id flag, section sizes, the pad section), and its sections
 are replaced by honest zstd streams of zeros of exactly the sizes the forged header implies, checksums valid: the
@@ -131,6 +132,8 @@ def _modes() -> dict[str, tuple[Codec, bytes]]:
     out["identity"] = (ident, ident.encode(_fixture_slice(plain_cal)))
     plain = Codec(plain_cal, ratio=8, sinks=2, window=4)
     out["one_plan"] = (plain, plain.encode(_fixture_slice(plain_cal)))
+    sliding = Codec(tiered, 8, window=16, tiers="none")  # a sliding-window layer holding fewer tokens: version 2
+    out["sliding_one_plan"] = (sliding, sliding.encode(tiered_slice()))
     two = Codec(tiered, 8, window=16, tiers="two")
     out["tiers"] = (two, two.encode(tiered_slice()))
     lad = Codec(tiered, 8, window=16)
@@ -144,7 +147,7 @@ MODES = _modes()
 
 
 def test_every_mode_writes_its_own_container_version_and_decodes():
-    want = {"identity": 1, "one_plan": 1, "tiers": 3, "ladder": 4, "token_map": 5}
+    want = {"identity": 1, "one_plan": 1, "sliding_one_plan": 2, "tiers": 3, "ladder": 4, "token_map": 5}
     for mode, (codec, blob) in MODES.items():
         h, _ = container.read_header(blob)
         assert h.version == want[mode], mode
@@ -172,7 +175,7 @@ def _edits(mode: str, codec: Codec) -> dict[str, object]:
         "batch_x256_tokens_x64": lambda d: _scale(d, batch=256, tokens=64),
         "window_shrunk_tokens_x1024": lambda d: (_scale(d, tokens=1024), d.update(window=0, sinks=0)),
     }
-    if mode == "one_plan" or mode == "token_map":
+    if mode in ("one_plan", "sliding_one_plan", "token_map"):
         e["ratio_top_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.update(ratio=top))
     if mode != "identity":
         e["ratio_1e6_tokens_x4096"] = lambda d: (_scale(d, tokens=4096), d.update(ratio="1e+06"))
@@ -218,13 +221,13 @@ def test_a_forged_pad_or_section_size_is_refused(mode):
         container.read_header(_seal(d3, body + b"\0", version))
 
 
-@pytest.mark.parametrize("mode", ["identity", "one_plan", "tiers", "ladder"])
+@pytest.mark.parametrize("mode", ["identity", "one_plan", "sliding_one_plan", "tiers", "ladder"])
 def test_an_all_zero_cache_is_padded_and_decodes(mode, monkeypatch):
     """Streams of an all-zero cache shrink thousands of times: the writer pads the blob to within MAX_CODER_GAIN,
     so the decoder, which refuses anything beyond it, still reads everything kvtc writes."""
     codec, blob = MODES[mode]
     kv = _fixture_slice(codec.calibration or Calibration.load(FIX / "calibration.safetensors"), tokens=8192)
-    if mode in ("tiers", "ladder"):
+    if mode in ("sliding_one_plan", "tiers", "ladder"):
         kv = tiered_slice(batch=2, tokens=2048)
     kv.keys.zero_()
     kv.values.zero_()
