@@ -2,10 +2,9 @@
 decoder checked against the calibration and from the blob's own bytes; no header field can raise it.
 
 For every encode mode (identity, one plan, one plan with a sliding-window layer, two tiers, rate ladder, token map:
-container versions 1-5) a real
-blob's header is forged, one field that enters the allowance at a time (batch, tokens, sinks and window, ratio,
-tier names and share, rungs and their counts, the token-id flag, section sizes, the pad section), and its sections
-are replaced by honest zstd streams of zeros of exactly the sizes the forged header implies, checksums valid: the
+container versions 1-5) a real blob's header is forged, one field that enters the allowance at a time (batch,
+tokens, sinks and window, ratio, tier names and share, rungs and their counts, the token-id flag, section sizes,
+the pad section), and its sections are replaced by honest zstd streams of zeros of exactly the sizes the forged header implies, checksums valid: the
 most a writer of a shared store can do. Every such blob is refused with a FormatError before anything large is
 allocated (< 1 s, < 64 MiB more resident memory), for ``decode`` and ``decode_layers`` alike.
 """
