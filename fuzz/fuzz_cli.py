@@ -5,9 +5,15 @@ FIFO, /dev/zero, empty, random bytes, a truncated blob, invalid UTF-8), malforme
 blob for ``generate --resume`` (1-D, ragged, strings, floats, out-of-range ids, empty, wrong format or
 checksum, a batch or length the blob does not hold), bad numbers (``--max-new-tokens 0``, negative, ``abc``,
 huge; ratios that are 0, negative, NaN or infinite), empty prompts, bad calibration files, ``--out`` into a
-missing directory, unknown subcommands and options.
+missing directory, unknown subcommands and options. And valid blobs that hold hostile strings (terminal escape
+sequences, carriage returns, bidi controls, lone surrogates, C1 controls in the model id, calibration hash, section
+and backend names), which ``inspect`` must show escaped (exit 0, or one refusal line), and a sparse blob whose header
+declares one section of hundreds of MB, which ``inspect`` must answer without reading it.
 
-Properties per invocation: exit code 2; stderr exactly one line and no traceback; no model loaded (a guard
+Properties per invocation: exit code 2 (0 for the valid hostile and sparse blobs); stderr exactly one line (of a
+refusal) and no traceback; nothing printed a terminal would act on (``unescaped_output``: a control character
+other than newline, a format character or a lone surrogate on stdout or stderr); ``inspect`` of the sparse blob
+reads under :data:`MAX_INSPECT_READ` bytes (``read_body``); no model loaded (a guard
 replaces ``kvtc.assets.load_model`` and the default-calibration builder during the campaign, and reaching it
 counts as the violation ``reached_model``); return within ``HANG_S`` (a call blocked on a FIFO is unblocked
 and counted as a hang); nothing written outside the invocation's temp dir.
@@ -43,6 +49,34 @@ HANG_S = 20.0
 TIME_LIMIT_S = HANG_S
 FIXTURES = ROOT / "tests" / "fixtures"
 TOKENS_SUFFIX = ".tokens.json"
+#: the most ``inspect`` may read of a blob whose body is a hole (its header is at most 1 MiB)
+MAX_INSPECT_READ = 16 << 20
+#: cases where a valid blob is expected: exit 0 (or a one-line refusal), output escaped
+EXPECT_OK = ("hostile_model_id", "hostile_calibration", "hostile_section_name", "hostile_backend", "sparse_huge")
+#: strings a blob's header may carry to attack a terminal: clear the screen, retitle the window, rewrite the line,
+#: reverse the text, a C1 CSI, zero-width and tag characters, lone surrogates (JSON "\ud800"), NUL, DEL
+NASTY = [
+    "\x1b[2J",
+    "\x1b]0;pwned\x07",
+    "\x1b[31mred\x1b[0m",
+    "ok\rEVIL",
+    "abc\u202edef",
+    "\u2066x\u2069",
+    "\x9b31m",
+    "\u200b\u200d\ufeff",
+    "\U000e0041",
+    "\ud800",
+    "\udcff",
+    "a\udbff\udfffb",
+    "\x00\x7f\x85",
+    "\u2028\u2029",
+    "\ue000\uffff",
+    "\\x1b",
+]
+#: code points a random hostile string is drawn from: C0, DEL and C1 controls, bidi and zero-width format
+#: characters, surrogates, private use, noncharacters, tags, and plain text
+_RANGES = [(0, 0x1F), (0x7F, 0x9F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2066, 0x2069), (0xD800, 0xDFFF),
+           (0xE000, 0xE00F), (0xFFF9, 0xFFFF), (0xE0000, 0xE007F), (0x20, 0x7E), (0xE0, 0x17F), (0x4E00, 0x4E10)]  # fmt: skip
 
 
 class ReachedModel(BaseException):
@@ -254,7 +288,73 @@ def bad_tokens_case(rng: random.Random, sb: Sandbox) -> tuple[str, list[str]]:
     return f"tokens_{kind}", argv
 
 
+def hostile_text(rng: random.Random, most: int) -> str:
+    """A string of at most ``most`` characters (at least 1) holding what a terminal would act on."""
+    parts = [rng.choice(NASTY) for _ in range(rng.randrange(1, 4))]
+    parts.append("".join(chr(rng.randint(*rng.choice(_RANGES))) for _ in range(rng.randrange(0, 12))))
+    rng.shuffle(parts)
+    return "".join(parts)[:most] or "\x1b"
+
+
+def hostile_case(rng: random.Random, sb: Sandbox) -> tuple[str, list[str]]:
+    """inspect of a valid blob (kvtc's own writer: canonical header, CRC recomputed) whose strings are hostile; a
+    section with a hostile name and a wrong CRC under --verify; a header with a hostile mode or packing (refused);
+    a sparse blob whose header declares one huge section (must not be read)."""
+    import dataclasses
+
+    from kvtc.codec import container
+    from kvtc.codec.header import Section
+
+    header, body = container.read_header(sb.kvtc_blob)
+    sections = list(header.sections)
+    kind = rng.choice([*EXPECT_OK, "hostile_bad_crc", "hostile_refused"])
+    fields: dict[str, Any] = {}
+    tail = sb.kvtc_blob[body:]
+    if kind == "hostile_model_id":
+        fields["model_id"] = hostile_text(rng, 4096)
+    elif kind == "hostile_calibration":
+        fields["calibration"] = hostile_text(rng, 128)
+    elif kind in ("hostile_section_name", "hostile_bad_crc"):
+        i = rng.randrange(len(sections))
+        name = "\x1b" + hostile_text(rng, 63)
+        crc = sections[i].crc32 ^ (1 if kind == "hostile_bad_crc" else 0)
+        sections[i] = dataclasses.replace(sections[i], name=name, crc32=crc)
+    elif kind == "hostile_backend":
+        i = rng.choice([j for j, x in enumerate(sections) if x.coded < x.raw])  # a raw section must say "raw"
+        sections[i] = dataclasses.replace(sections[i], backend="\x1b" + hostile_text(rng, 31))
+    elif kind == "hostile_refused":
+        fields[rng.choice(["mode", "packing"])] = hostile_text(rng, 40)
+    elif kind == "sparse_huge":
+        total = rng.choice((64 << 20, 256 << 20))
+        fields.update(batch=16, tokens=1 << 20)
+        sections, tail = [Section("keys.0.int2", "raw", total, total, 0)], b""
+    head = container.prefix_and_header(dataclasses.replace(header, sections=sections, **fields))
+    path = sb.write(f"{kind}.kvtc", head + tail)
+    if kind == "sparse_huge":
+        os.truncate(path, len(head) + sections[0].coded)
+    extra = ["--verify"] if kind == "hostile_bad_crc" else rng.choice([[], [], ["--json"], ["--verify"]])
+    return kind, ["inspect", str(path), *(extra if kind != "sparse_huge" else [])]
+
+
+def unsafe_chars(text: str) -> list[str]:
+    """What a terminal would act on in ``text``: controls but newline, format characters, lone surrogates."""
+    import unicodedata
+
+    return [ch for ch in text if ch != "\n" and unicodedata.category(ch) in ("Cc", "Cf", "Cs")]
+
+
+def _read_bytes() -> int | None:
+    """Bytes this process has read through read(2) and the like (Linux ``/proc/self/io`` rchar), or None."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def build_case(rng: random.Random, sb: Sandbox) -> tuple[str, list[str]]:
+    if rng.random() < 0.15:
+        return hostile_case(rng, sb)
     r = rng.random()
     f = sb.bad_file
     if r < 0.12:
@@ -344,11 +444,15 @@ def _snapshot(dirs: list[Path]) -> dict[str, float]:
     return out
 
 
-def run_one(argv: list[str], sb: Sandbox, watched: list[Path]) -> tuple[str, float, tuple[str, str] | None, str]:
-    """(outcome, seconds, violation or None, stderr) of ``kvtc.cli.main(argv)``."""
+def run_one(
+    argv: list[str], sb: Sandbox, watched: list[Path], name: str = ""
+) -> tuple[str, float, tuple[str, str] | None, str]:
+    """(outcome, seconds, violation or None, stderr) of ``kvtc.cli.main(argv)`` (``name``: the case's kind)."""
     from kvtc.cli import main
 
+    expect_ok = name in EXPECT_OK
     before = _snapshot(watched)
+    read0 = _read_bytes()
     out, err = io.StringIO(), io.StringIO()
 
     def call() -> int:
@@ -377,17 +481,23 @@ def run_one(argv: list[str], sb: Sandbox, watched: list[Path]) -> tuple[str, flo
     dt = time.perf_counter() - t0
     if dt >= HANG_S and violation is None:  # it returned only once a blocked read was given EOF
         outcome, violation = "hang", ("hang", f"blocked for {HANG_S:g} s (returned {code} once unblocked)")
+    read = None if read0 is None else (_read_bytes() or 0) - read0
     stderr = err.getvalue()
     lines = stderr.splitlines()
     if violation is None:
+        bad = unsafe_chars(out.getvalue() + stderr)
         if "Traceback (most recent call last)" in stderr:
             violation = ("traceback", stderr)
         elif "kvtc: internal error:" in stderr:  # the CLI's last-resort line for an untyped exception
             violation = ("untyped_exception", stderr)
-        elif code != 2:
+        elif bad:
+            violation = ("unescaped_output", f"{sorted(set(bad))[:8]!r} in stdout {out.getvalue()[-300:]!r}")
+        elif code not in ((0, 2) if expect_ok else (2,)):
             violation = ("exit_code", f"exit code {code}; stderr {stderr[-500:]!r}; stdout {out.getvalue()[-300:]!r}")
-        elif len(lines) != 1:
+        elif len(lines) != (0 if code == 0 else 1):
             violation = ("stderr_lines", f"{len(lines)} stderr lines: {stderr[-600:]!r}")
+        elif name == "sparse_huge" and read is not None and read > MAX_INSPECT_READ:
+            violation = ("read_body", f"inspect read {read} bytes of a blob whose body is a hole")
     after = _snapshot(watched)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     if changed and violation is None:
@@ -422,7 +532,7 @@ def run(runs: int, seed: int) -> Tally:
                 sb = Sandbox(tmp / f"case{i}", blobs, rng)
                 os.chdir(sb.root)
                 name, argv = build_case(rng, sb)
-                outcome, dt, violation, stderr = run_one(argv, sb, watched)
+                outcome, dt, violation, stderr = run_one(argv, sb, watched, name)
                 what = json.dumps([os.path.relpath(a, sb.root) if a.startswith(str(sb.root)) else a for a in argv])
                 tally.add(
                     "cli", name, outcome, dt, what + (f" stderr: {stderr[-300:]!r}" if violation else ""), violation

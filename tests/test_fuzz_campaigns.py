@@ -88,7 +88,17 @@ def test_cli_campaign_runs_and_reports(monkeypatch):
     for e in s["violation_examples"]:
         assert (
             e["kind"]
-            in ("exception", "traceback", "exit_code", "stderr_lines", "reached_model", "hang", "wrote_outside")
+            in (
+                "exception",
+                "traceback",
+                "exit_code",
+                "stderr_lines",
+                "reached_model",
+                "hang",
+                "wrote_outside",
+                "unescaped_output",
+                "read_body",
+            )
             and e["input"]
         )
 

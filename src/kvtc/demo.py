@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import KVTCError
 from .progress import StageTimer, bar
+from .textsafe import message, printable
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +109,8 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
     ctx, cont = window[:, : args.context], window[:, args.context :]
     _say(
         f"held-out {args.document} window: {args.context} context tokens + {args.score} fed after it; "
-        f"calibration {cal.fingerprint} ({cal.stats.get('rows', cal.corpus.get('tokens', '?'))} tokens)"
+        f"calibration {printable(cal.fingerprint)} "
+        f"({printable(cal.stats.get('rows', cal.corpus.get('tokens', '?')), 40)} tokens)"
     )
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -239,7 +241,8 @@ def _markdown(r: dict[str, Any]) -> str:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    """Generated or corpus text on one line, with anything a terminal would act on escaped."""
+    return message(text, None)
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, model_id: str) -> Path | None:

@@ -5,6 +5,10 @@ sets ``run`` to a handler ``(args) -> exit code``. :data:`COMMANDS` lists the bu
 modules that register more with a ``register(subparsers)`` function and are imported only when present. Errors
 kvtc raises on purpose (and OS errors) print as one line ``kvtc: error: <message>`` with exit code 2; ``--debug``
 shows the traceback instead. Nothing heavy (torch, transformers) is imported before a subcommand runs.
+
+An error message may quote a blob, a calibration or a store (a model id, a section name): it is printed escaped
+(:func:`kvtc.textsafe.message`), and stdout and stderr write what their encoding cannot hold as backslash escapes
+instead of raising (:func:`kvtc.textsafe.tolerant_streams`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import KVTCError
+from ..textsafe import message, tolerant_streams
 from .calibrate import add_calibrate, parse_types, recipe_from_args
 from .common import Parser
 from .compress import add_compress
@@ -84,14 +89,14 @@ def _module_present(name: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    tolerant_streams()
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args) or 0)
     except (KVTCError, OSError) as e:
         if debug:
             raise
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"kvtc: error: {message}", file=sys.stderr)
+        print(f"kvtc: error: {message(e) or type(e).__name__}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("kvtc: interrupted", file=sys.stderr)
@@ -104,9 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug: still one line, and the way to the traceback
         if debug:
             raise
-        message = " ".join(str(e).split())[:300]
         print(
-            f"kvtc: internal error: {type(e).__name__}: {message} (rerun with --debug for the traceback and report it)",
+            f"kvtc: internal error: {type(e).__name__}: {message(e, 300)} (rerun with --debug for the traceback and "
+            "report it)",
             file=sys.stderr,
         )
         return EXIT_ERROR

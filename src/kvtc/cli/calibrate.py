@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KVTCError
+from ..textsafe import printable
 from .common import DEFAULT_MODEL, check_out, positive_float, positive_int, ratio_value
 
 DEFAULT_CORPUS = "sotu-pre2000"
@@ -113,7 +114,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from ..calibration.artifact import Calibration
     from ..calibration.load import embedded_model_key
     from ..integrations.hf_calibrate import calibrate_model, default_calibration
-    from ..quant import DROP, TYPE_NAMES
 
     recipe = recipe_from_args(args)
     check_out(args.out, "calibration file")
@@ -150,19 +150,44 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
         path = cal.save(args.out)
     cal = Calibration.load(path)
-    secs = cal.stats.get("seconds", {})
-    print(f"calibration: {path}")
+    _summary(cal, path, time.perf_counter() - t0)
+    return 0
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    """A free-form metadata field (a calibration's ``corpus`` or ``stats`` entry) as a dict: {} unless it is one."""
+    return value if isinstance(value, dict) else {}
+
+
+def _num(value: Any, spec: str) -> str:
+    """A number from free-form metadata formatted with ``spec``, or the value escaped when it is not a number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return printable(value, 40)
+
+
+def _summary(cal: Any, path: Path, seconds: float) -> None:
+    """Print what a calibration holds. Its free-form metadata (``corpus``, ``stats``) and model id come from the
+    file: every string of them is printed escaped and a field of the wrong type is shown, never an error."""
+    from ..quant import DROP, TYPE_NAMES
+
+    p = printable
+    secs = _obj(cal.stats.get("seconds"))
+    print(f"calibration: {p(path, None)}")
     print(
-        f"  model {cal.model_id or '?'}, layout {len(cal.layout.layers)} layers x {cal.layout.num_kv_heads} KV heads "
-        f"x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {cal.fingerprint}"
+        f"  model {p(cal.model_id) or '?'}, layout {len(cal.layout.layers)} layers x {cal.layout.num_kv_heads} KV "
+        f"heads x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {p(cal.fingerprint)}"
     )
-    sens = cal.corpus.get("sensitivity") or {}
-    print(
-        f"  weighting: {'sensitivity (' + sens.get('method', '?') + ', per ' + str(sens.get('resolution', '?')) + ')' if cal.weighted else 'none (plain squared error)'}"
+    sens = _obj(cal.corpus.get("sensitivity"))
+    weighting = (
+        f"sensitivity ({p(sens.get('method', '?'), 40)}, per {p(sens.get('resolution', '?'), 40)})"
+        if cal.weighted
+        else "none (plain squared error)"
     )
-    rate = (cal.stats.get("recipe") or {}).get("rate", "nominal")
+    print(f"  weighting: {weighting}")
+    rate = _obj(cal.stats.get("recipe")).get("rate", "nominal")
     counts = {"stored": "stored bits, measured (stored rate)", "coded": "expected stored bits (coded rate)"}
-    print(f"  bit budgets count: {counts.get(rate, 'packed bits (nominal)')}")
+    print(f"  bit budgets count: {counts.get(rate, 'packed bits (nominal)') if isinstance(rate, str) else '?'}")
     used = sorted(
         {
             TYPE_NAMES[t]
@@ -182,16 +207,23 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"  {what}: recorded; token-adaptive rates at {', '.join(f'{r:g}x' for r in tiered) or 'no ratio'}")
     else:
         print("  mean queries: not recorded (one plan for every middle token)")
-    notes = cal.corpus.get("token_map") or {}
+    notes = _obj(cal.corpus.get("token_map"))
     if cal.token_map is not None:
         g = cal.token_map.gain
-        saves = f"; saves {50 * (g['keys'] + g['values']):.0f}% of the distortion" if "keys" in g else ""
+        saves = (
+            f"; saves {50 * (g['keys'] + g['values']):.0f}% of the distortion" if {"keys", "values"} <= set(g) else ""
+        )
         print(f"  token map: kept ({cal.token_map.lags} tokens per prediction{saves}): blobs carry the token ids")
-    elif notes.get("gain"):
-        g = notes["gain"]
-        print(f"  token map: left out (would save {100 * (g['keys'] + g['values']) / 2:.0f}% of the distortion)")
-    print(f"  built in {secs.get('total', '?')} s; this run {time.perf_counter() - t0:.1f} s")
-    return 0
+    elif _obj(notes.get("gain")):
+        g = _obj(notes.get("gain"))
+        k, v = g.get("keys"), g.get("values")
+        share = (
+            f"{100 * (k + v) / 2:.0f}%"
+            if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (k, v))
+            else f"keys {p(k, 40)}, values {p(v, 40)}"
+        )
+        print(f"  token map: left out (would save {share} of the distortion)")
+    print(f"  built in {_num(secs.get('total', '?'), '')} s; this run {seconds:.1f} s")
 
 
 def recipe_from_args(args: argparse.Namespace) -> Any:

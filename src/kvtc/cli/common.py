@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .. import textsafe
 from ..errors import KVTCError
 
 #: the most text a --file may hold
@@ -18,7 +19,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with usage errors on one line (``kvtc: error: ...``, exit 2), like every other kvtc error."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"kvtc: error: {' '.join(message.split())} (see `{self.prog} --help`)", file=sys.stderr)
+        print(f"kvtc: error: {textsafe.message(message)} (see `{textsafe.message(self.prog)} --help`)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -1,11 +1,15 @@
 """``kvtc eval`` output: the JSON result, a markdown table and a PNG plot (ratio on a log axis against
-Δppl and against retrieval accuracy, one curve per method)."""
+Δppl and against retrieval accuracy, one curve per method). The markdown escapes every string that may come from
+outside (the model's name, the calibration's file name and corpus, a peer's reason to be skipped): see
+:func:`kvtc.textsafe.printable`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from ..textsafe import printable
 
 RATIO_NOTE = (
     "Ratios count the compressed (middle) tokens only, against 16-bit K and V of the tokens each layer's cache "
@@ -35,14 +39,17 @@ def _pct(v: Any) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    p = printable
     cfg = result["config"]
     lines = []
     ret = {r["method"]: r for r in result.get("retrieval", [])}
+    cal = result["calibration"]
+    corpus = cal["corpus"].get("name", "?") if isinstance(cal.get("corpus"), dict) else "?"
     lines.append(
-        f"Model {result['model']}, storage round trip on {cfg['windows']} windows of {cfg['context']:,} context + "
-        f"{cfg['continuation']} scored tokens of {', '.join(result['texts'])} text; sinks {cfg['sinks']} and the "
-        f"{cfg['window']} newest tokens stay exact; calibration `{result['calibration']['name']}` "
-        f"({result['calibration'].get('samples') or '?'} tokens, corpus {result['calibration']['corpus'].get('name', '?')})."
+        f"Model {p(result['model'])}, storage round trip on {cfg['windows']} windows of {cfg['context']:,} context + "
+        f"{cfg['continuation']} scored tokens of {', '.join(p(t) for t in result['texts'])} text; sinks "
+        f"{cfg['sinks']} and the {cfg['window']} newest tokens stay exact; calibration `{p(cal['name'])}` "
+        f"({p(cal.get('samples') or '?', 40)} tokens, corpus {p(corpus)})."
     )
     lines.append("")
     lines.append("| method | ratio | Δppl | KL(exact‖lossy) | top-1 agree | K rel. err | V rel. err | pass-key acc. |")
@@ -174,13 +181,13 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("skipped"):
         lines.append("")
         for name, why in result["skipped"].items():
-            lines.append(f"Skipped {name}: {why}")
+            lines.append(f"Skipped {p(name)}: {p(why, 500, backslash=False)}")
     t = result.get("timings_s", {})
     m = result.get("machine", {})
     lines.append("")
     lines.append(
-        f"Run time {t.get('total', 0) / 60:.1f} min on {m.get('cpu', '?')} ({m.get('cores', '?')} cores, "
-        f"{m.get('torch_threads', '?')} torch threads{', ' + m['gpu'] if m.get('gpu') else ''}); stages (s): "
+        f"Run time {t.get('total', 0) / 60:.1f} min on {p(m.get('cpu', '?'))} ({m.get('cores', '?')} cores, "
+        f"{m.get('torch_threads', '?')} torch threads{', ' + p(m['gpu']) if m.get('gpu') else ''}); stages (s): "
         + ", ".join(f"{k} {v:.0f}" for k, v in t.items() if k != "total")
         + "."
     )
@@ -236,7 +243,7 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(f"{result['model']}: quality vs bytes ({', '.join(result['texts'])})")
+    fig.suptitle(f"{printable(result['model'])}: quality vs bytes ({', '.join(printable(t) for t in result['texts'])})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -21,6 +21,7 @@ from ..calibration.load import DEFAULT_CALIBRATION
 from ..calibration.recipe import RECIPES, UNWEIGHTED_RECIPE
 from ..layout import PCAGrouping
 from ..progress import StageTimer, bar
+from ..textsafe import message
 from .acceptance import acceptance
 from .config import (  # noqa: F401  (re-exported: the run's defaults live with its configuration)
     DEFAULT_ABLATION_TOKENS,
@@ -45,7 +46,7 @@ from .protocols import HAYSTACKS, PASSKEY_FILLER, Tally, conversation, passkey_p
 
 def _say(cfg: EvalConfig, msg: str) -> None:
     if cfg.progress:
-        print(f"kvtc eval: {msg}", flush=True)
+        print(f"kvtc eval: {message(msg)}", flush=True)
 
 
 def _texts(names: Sequence[str]) -> list[str]:

@@ -13,6 +13,7 @@ from ...codec import Codec
 from ...errors import CalibrationError, CalibrationMismatch, ConfigError
 from ...layout import KVLayout
 from ...rope import RopeSpec
+from ...textsafe import message
 from .config import WHERE, ConnectorConfig
 
 logger = logging.getLogger("kvtc.vllm")
@@ -103,7 +104,9 @@ class Codecs:
                 calib.check_model(dataclasses.replace(layout, heads=()), self.rope, model=self.model)
                 calib = calib.shard(layout.heads)
         except CalibrationMismatch as e:
-            raise ConfigError(f"{WHERE}: calibration={self.config.calibration!r} does not fit {self.model}: {e}") from e
+            raise ConfigError(
+                f"{WHERE}: calibration={self.config.calibration!r} does not fit {self.model}: {message(e)}"
+            ) from e
         self._checked[key] = calib
         return calib
 
@@ -188,7 +191,7 @@ def load_calibration(config: ConnectorConfig) -> Calibration:
     try:
         calibration = Calibration.load(path)  # type: ignore[arg-type]
     except CalibrationError as e:
-        raise ConfigError(f"{WHERE}: calibration={path!r} cannot be used: {e}") from e
+        raise ConfigError(f"{WHERE}: calibration={path!r} cannot be used: {message(e)}") from e
     try:
         calibration.plans_for(config.ratio)
     except CalibrationError:

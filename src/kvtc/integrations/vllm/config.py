@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from ...errors import ConfigError, StoreError
 from ...store import Store, open_store
+from ...textsafe import message
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -186,7 +187,7 @@ def open_connector_store(config: ConnectorConfig, namespace: str) -> Store:
     try:
         return open_store(config.store, namespace)
     except StoreError as e:
-        raise ConfigError(f"{WHERE}: store={config.store!r} cannot be opened: {e}") from e
+        raise ConfigError(f"{WHERE}: store={config.store!r} cannot be opened: {message(e)}") from e
 
 
 @dataclass(frozen=True)

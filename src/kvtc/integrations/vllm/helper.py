@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ...progress import StageTimer
+from ...textsafe import message
 from .chunks import ChunkCodec, cpu_list, spare_cpus
 from .paged import PagedLayout
 
@@ -196,7 +197,9 @@ class CodecProcess:
                 self._pending.pop(key, None)
                 self.dropped += 1
             _unlink(path)
-            logger.warning("KVTCConnector: cannot hand chunk %d to the codec process (%s); it is not stored", chunk, e)
+            logger.warning(
+                "KVTCConnector: cannot hand chunk %d to the codec process (%s); it is not stored", chunk, message(e)
+            )
             return False
         return True
 

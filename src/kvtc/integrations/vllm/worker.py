@@ -23,6 +23,7 @@ from ...errors import KVTCError, LayoutError
 from ...layout import KVLayout
 from ...progress import StageTimer
 from ...store import Store
+from ...textsafe import message, printable
 from .chunks import ChunkCodec
 from .codecs import Codecs
 from .config import ConnectorSetup
@@ -223,7 +224,9 @@ class WorkerSide:
             try:
                 ok = self._load_one(job, clock)
             except Exception as e:  # noqa: BLE001 - any failure means "recompute", never "serve"
-                logger.warning("KVTCConnector: restoring %s failed (%s); vLLM will recompute it", job.req_id, e)
+                logger.warning(
+                    "KVTCConnector: restoring %s failed (%s); vLLM will recompute it", printable(job.req_id), message(e)
+                )
                 ok = False
             if ok:
                 clock.tokens += job.stop - job.start
@@ -281,12 +284,13 @@ class WorkerSide:
         return True
 
     def _refuse(self, job: LoadJob, key: str | None, chunk: int | None, e: Exception) -> None:
-        where = f"chunk {chunk} of request {job.req_id}" if chunk is not None else f"a chunk of request {job.req_id}"
+        req = printable(job.req_id)
+        where = f"chunk {chunk} of request {req}" if chunk is not None else f"a chunk of request {req}"
         logger.warning(
             "KVTCConnector: %s (key %s…) cannot be restored (%s); vLLM will recompute the request",
             where,
-            (key or "?")[:16],
-            e,
+            printable((key or "?")[:16]),
+            message(e),
         )
         if key is not None:
             self._forget(key)
@@ -358,7 +362,9 @@ class WorkerSide:
                     else:
                         blocks = [p.copy_blocks(c, ids) for p, c, ids in sources]
             except Exception as e:  # noqa: BLE001 - a failed save is only a future cache miss
-                logger.warning("KVTCConnector: reading chunk %d of %s failed: %s", job.chunk, job.req_id, e)
+                logger.warning(
+                    "KVTCConnector: reading chunk %d of %s failed: %s", job.chunk, printable(job.req_id), message(e)
+                )
                 self.tally.add(save_failures=1)
                 self._unsaved(job.key)
                 continue
@@ -393,7 +399,9 @@ class WorkerSide:
     def _saved(self, key: str, size: int | None, seconds: dict[str, float], error: str | None) -> None:
         """The word on one chunk's save (from the codec process's reply thread, or inline)."""
         if error is not None:
-            logger.warning("KVTCConnector: storing the chunk under key %s… failed: %s", key[:16], error)
+            logger.warning(
+                "KVTCConnector: storing the chunk under key %s… failed: %s", printable(key[:16]), message(error)
+            )
         clock = _Timings()
         clock.seconds.update(seconds)
         if size is not None:
