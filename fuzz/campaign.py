@@ -167,6 +167,7 @@ def run_campaigns(
     cli_hang_s: float,
     store_real_server: bool = True,
     calibration_procs: int = 1,
+    calibration_seconds: float | None = None,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvtc-campaign-") as d:
@@ -193,12 +194,9 @@ def run_campaigns(
             for i in range(k):
                 part = n // k + (i < n % k)
                 if part:
-                    start(
-                        "calibration",
-                        "fuzz_calibration.py",
-                        ["--runs", str(part), "--seed", str(seed * 1000 + i if k > 1 else seed)],
-                        i,
-                    )
+                    extra = ["--seconds", str(calibration_seconds)] if calibration_seconds else []
+                    seed_i = str(seed * 1000 + i if k > 1 else seed)
+                    start("calibration", "fuzz_calibration.py", ["--runs", str(part), "--seed", seed_i, *extra], i)
         if runs["store"]:
             start(
                 "store",
@@ -320,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, n in DEFAULT_RUNS.items():
         ap.add_argument(f"--{name}-runs", type=int, default=None, help=f"inputs (default {n:,})")
     ap.add_argument("--calibration-procs", type=int, default=1, help="processes of the calibration campaign")
+    ap.add_argument("--calibration-seconds", type=float, default=None, help="time budget of each calibration process")
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--cli-hang-s", type=float, default=20.0, help="seconds a CLI invocation may run")
     ap.add_argument("--no-real-server", action="store_true", help="skip the store campaign's real redis-server part")
@@ -335,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     from common import scrub, versions
 
     result = run_campaigns(
-        runs, args.procs, args.seed, args.cli_hang_s, not args.no_real_server, args.calibration_procs
+        runs,
+        args.procs,
+        args.seed,
+        args.cli_hang_s,
+        not args.no_real_server,
+        args.calibration_procs,
+        args.calibration_seconds,
     )
     shown = ["python", "fuzz/campaign.py", *(argv if argv is not None else sys.argv[1:])]
     result.update(
