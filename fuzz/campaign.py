@@ -306,8 +306,41 @@ def write_benchmarks(path: Path, table: str) -> None:
     path.write_text(text[:a] + table + text[b:])
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result of campaigns run in several invocations (a campaign split over machines or time budgets: its
+    parts summed as :func:`combine_tallies` does)."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        for name, c in r["campaigns"].items():
+            by.setdefault(name, []).append(c)
+    campaigns = {}
+    for name, parts in by.items():
+        if len(parts) == 1:
+            campaigns[name] = parts[0]
+            continue
+        m = combine_tallies(parts, name)
+        m["processes"] = sum(p.get("processes", 1) for p in parts)
+        m["outcomes"] = dict(sum((Counter(p.get("outcomes", {})) for p in parts), Counter()).most_common())
+        campaigns[name] = m
+
+    def joined(key: str) -> str:
+        return " + ".join(dict.fromkeys(str(r[key]) for r in results))
+
+    return {
+        "campaigns": campaigns,
+        "seconds": sum(r["seconds"] for r in results),
+        "date": joined("date"),
+        "machine": joined("machine"),
+        "command": joined("command"),
+        "cli_hang_s": max(r.get("cli_hang_s", 0) for r in results),
+        "versions": results[0].get("versions", {}),
+        "parts": [{k: r[k] for k in ("date", "machine", "command", "seconds")} for r in results],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--merge", nargs="+", type=Path, help="merge these result files into one table instead of running")
     ap.add_argument(
         "--procs",
         type=int,
@@ -333,6 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from common import scrub, versions
 
+    if args.merge:
+        result = merge([json.loads(p.read_text()) for p in args.merge])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(scrub(json.dumps(result, indent=1, default=str)) + "\n")
+        table = render(result)
+        if not args.no_benchmarks:
+            write_benchmarks(args.benchmarks, table)
+        print(table)
+        return 1 if any(c.get("violation_count") for c in result["campaigns"].values()) else 0
     result = run_campaigns(
         runs,
         args.procs,
