@@ -133,6 +133,7 @@ def main() -> None:
     }
     write_json("decode_allowance", result)
     md = (
+        "### Decoding allowance (what a blob may cost to decode)\n\n"
         f"`{result['command']}` on {result['machine']['cpu']}, {result['date']}. Allowance: raw bytes of a blob's "
         f"sections ≤ {budget.MAX_CODER_GAIN}× their coded bytes. Largest legitimate expansion (decoded KV bytes per "
         f"blob byte, {TOKENS}-token slices, the plan whose bits per token are fewest): "
