@@ -13,12 +13,9 @@ import argparse
 import contextlib
 import json
 import mmap
-import os
-import stat
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..textsafe import printable
 from .common import ratio_line, size
@@ -44,26 +41,6 @@ def add_inspect(sub: Any) -> None:
     p.set_defaults(run=run_inspect)
 
 
-@contextlib.contextmanager
-def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
-    """``(file, size)`` of ``path``, opened without blocking and only if it is a regular file."""
-    from ..errors import FormatError
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise FormatError(f"cannot read {path}: {e.strerror or e}; check the path") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise FormatError(f"{path} is not a regular file; give the path of a .kvtc file")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            yield f, st.st_size
-        except OSError as e:
-            raise FormatError(f"cannot read the .kvtc file {path}: {e.strerror or e}") from None
-
-
 def inspect_file(path: Path, verify: bool = False) -> dict[str, Any]:
     """:meth:`Codec.inspect <kvtc.codec.Codec.inspect>` of the .kvtc file at ``path``, reading only its prefix and
     header: the file is mapped, not read, so the sections' pages are never touched. ``verify``: also stream every
@@ -71,8 +48,9 @@ def inspect_file(path: Path, verify: bool = False) -> dict[str, Any]:
     :class:`~kvtc.errors.FormatError`."""
     from ..codec import Codec, container
     from ..errors import FormatError
+    from ..fileio import _open_regular
 
-    with _open_regular(path) as (f, nbytes):
+    with _open_regular(path, "a .kvtc file", FormatError) as (f, nbytes):
         head = f.read(container.PREFIX.size)
         if len(head) == container.PREFIX.size:
             hlen = container.PREFIX.unpack(head)[3]
