@@ -33,6 +33,8 @@ MAX_SEGMENTS = 1 << 20
 #: JSON values (counted by their separators before parsing: parsing is the costly step) in the metadata; the
 #: default calibration of a 30-layer model holds a few thousand, a per-layer one of a 126-layer model ~0.7 M
 MAX_VALUES = 1 << 20
+#: the end of every refusal of a file that no calibrate run writes
+_HOSTILE = "the file is corrupt or hostile; recreate it with `kvtc calibrate`"
 
 _TOP = {
     "format",
@@ -146,7 +148,7 @@ def parse_json(raw: Any, source: Any, limit: int = MAX_META_BYTES) -> Any:
     if values > MAX_VALUES:
         raise CalibrationError(
             f"{source}: calibration metadata holds about {values} values, more than the "
-            f"{MAX_VALUES} any calibration needs; the file is corrupt or hostile"
+            f"{MAX_VALUES} any calibration needs; {_HOSTILE}"
         )
     # the scan's two parts run only where they could find something: past MAX_JSON_DEPTH brackets, and where some
     # run of digits (in a string or not) is longer than MAX_INT_DIGITS
@@ -155,13 +157,12 @@ def parse_json(raw: Any, source: Any, limit: int = MAX_META_BYTES) -> Any:
     shape = scan_json(data, nest, runs) if nest or runs else (0, 0)
     if shape is None or shape[0] > MAX_JSON_DEPTH:
         raise CalibrationError(
-            f"{source}: calibration metadata is unbalanced or nested more than {MAX_JSON_DEPTH} levels deep; "
-            "the file is corrupt or hostile"
+            f"{source}: calibration metadata is unbalanced or nested more than {MAX_JSON_DEPTH} levels deep; {_HOSTILE}"
         )
     if shape[1] > MAX_INT_DIGITS:
         raise CalibrationError(
             f"{source}: calibration metadata holds a number of {shape[1]} digits, more than the {MAX_INT_DIGITS} "
-            "any calibration writes; the file is corrupt or hostile"
+            f"any calibration writes; {_HOSTILE}"
         )
     try:
         text = raw if isinstance(raw, str) else data.decode("utf-8")
@@ -270,7 +271,7 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
     if 8 * groups + 8 > MAX_TENSORS:
         raise CalibrationError(
             f"{where} 'grouping' implies {groups} PCA groups, more than a file of {MAX_TENSORS} tensors holds; "
-            "the file is corrupt or hostile"
+            f"{_HOSTILE}"
         )
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
@@ -503,7 +504,7 @@ def header_length(first: bytes, size: int, source: Any) -> int:
     if not 2 <= n <= min(size - 8, MAX_HEADER_BYTES):
         raise CalibrationError(
             f"{source} is not a calibration: its header length {n} does not fit the file of {size} bytes "
-            f"(or is more than {MAX_HEADER_BYTES}); the file is corrupt or hostile"
+            f"(or is more than {MAX_HEADER_BYTES}); {_HOSTILE}"
         )
     return n
 
@@ -520,21 +521,20 @@ def read_header(raw: bytes, source: Any) -> tuple[dict[str, Any], dict[str, str]
     table = {name: entry for name, entry in header.items() if name != "__metadata__"}
     if len(table) > MAX_TENSORS:
         raise CalibrationError(
-            f"{source}: {len(table)} tensors, more than the {MAX_TENSORS} a calibration may hold; "
-            "the file is corrupt or hostile"
+            f"{source}: {len(table)} tensors, more than the {MAX_TENSORS} a calibration may hold; {_HOSTILE}"
         )
     if not all(isinstance(entry, dict) for entry in table.values()):
         raise CalibrationError(f"{source} is not a calibration: a tensor table entry is not an object")
     if not isinstance(metadata, dict) or len(metadata) > MAX_META_ENTRIES:
         raise CalibrationError(
             f"{source}: safetensors metadata must be an object of at most {MAX_META_ENTRIES} strings, got "
-            f"{_show(metadata)}; the file is corrupt or hostile"
+            f"{_show(metadata)}; {_HOSTILE}"
         )
     for key, value in metadata.items():
         if len(key) > MAX_TEXT or not isinstance(value, str) or len(value) > MAX_META_BYTES:
             raise CalibrationError(
                 f"{source}: safetensors metadata entry {_show(key)} must be a string of at most {MAX_META_BYTES} "
-                f"characters, got {_show(value)}; the file is corrupt or hostile"
+                f"characters, got {_show(value)}; {_HOSTILE}"
             )
     return table, metadata
 
