@@ -100,3 +100,25 @@ def test_region_crcs_equal_zlib():
         assert c == (zlib.crc32(head) if k else 0)
         whole = crc32_combine(c, zlib.crc32(tail), len(tail)) if k else zlib.crc32(tail)
         assert whole == zlib.crc32(raw[4 * w : 4 * w + n])
+
+
+def test_streams_that_shrink_far_are_padded_as_the_general_writer_pads_them():
+    """An all-zero cache shrinks far more than the decoder allows a blob's bytes to pay for (docs/FORMAT.md,
+    "Decoding allowance"): both writers append the same raw ``pad`` section, and the blob reads back."""
+    from kvtc.codec import budget
+    from kvtc.codec.header import PAD_SECTION
+
+    coder = DeviceCoder(DEVICE)
+    zeros = torch.zeros(SCALE * 4096 * 64, dtype=torch.uint8, device=DEVICE)
+    payloads = [("positions", b"\x01\x02" * 300), ("a", zeros)]
+    ref = _reference(payloads, coder)
+    blob = gpu_write.write(_header(), payloads, "huff4k", coder)
+    assert blob == ref
+    header, body = container.read_header(blob)
+    pad = header.sections[-1]
+    assert pad.name == PAD_SECTION and pad.backend == "raw" and pad.raw == pad.coded > 0, header.sections
+    streams = header.sections[:-1]
+    assert sum(s.raw for s in streams) > budget.MAX_CODER_GAIN * sum(s.coded for s in streams)  # it needed one
+    assert sum(s.raw for s in streams) <= budget.MAX_CODER_GAIN * sum(s.coded for s in header.sections)
+    secs = container.read_sections(blob, header, body)
+    assert bytes(secs["a"]) == bytes(len(zeros))

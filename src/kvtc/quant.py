@@ -41,8 +41,10 @@ type's shift is zero and is not stored).
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 
 #: quantization type codes as stored in plans and containers (0-3: the paper's; 4-12: ours)
@@ -215,6 +217,47 @@ def dequantize(
             val = val - ((1 << TYPE_BITS[qtype]) - 1) * 0.5
         return val * sc
     return val * sc + shift.float().unsqueeze(-1)  # type: ignore[union-attr]
+
+
+def dequantize_numpy(
+    sym: np.ndarray,
+    shift: np.ndarray | None,
+    scale: np.ndarray | None,
+    qtype: int,
+    step: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`dequantize` in numpy, the same float32 arithmetic step for step, so the same bits (``sym`` uint8
+    ``[tokens, groups, size]``, ``shift``/``scale`` float16 ``[tokens, groups]``, ``step`` float32 ``[groups]`` or
+    None for 1), computed in ``out`` (float32, ``sym``'s shape) when given. A CPU decode dequantizes a chunk of rows at
+    a time with it: numpy runs each operation on the calling thread, where torch would start a parallel region per
+    operation (thousands of them on a large decode, each a wait for the other threads where the machine's cores are
+    busy)."""
+    val = np.empty(sym.shape, dtype=np.float32) if out is None else out
+    if qtype in FIXED_TYPES:
+        val[...] = sym
+        np.subtract(val, np.float32(FIXED_HALF[qtype]), out=val)
+        st = np.float32(1.0) if step is None else np.asarray(step, dtype=np.float32).reshape(-1, 1)
+        return np.multiply(val, st, out=val)
+    assert scale is not None
+    if qtype in FP8_TYPES:
+        np.take(_fp8_values(), sym, out=val)
+    elif qtype in INT_TYPES:
+        val[...] = sym
+    else:
+        raise ValueError(f"cannot dequantize type {qtype}")
+    if qtype in SYMMETRIC and qtype != FP8S:
+        np.subtract(val, np.float32(((1 << TYPE_BITS[qtype]) - 1) * 0.5), out=val)
+    np.multiply(val, scale[..., None], out=val)  # float16 operands are widened exactly: float32 products
+    if qtype in SYMMETRIC:
+        return val
+    return np.add(val, shift[..., None], out=val)  # type: ignore[index]
+
+
+@functools.cache
+def _fp8_values() -> np.ndarray:
+    """float32 ``[256]``: each E4M3 bit pattern's value, as torch converts it."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 def squared_error(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) -> torch.Tensor:

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from .packing import pack, packed_plane_bytes, unpack
+from .buffers import new_bytes
+from .packing import packed_plane_bytes, symbols_per_byte, unpack
 
 NAME = "gauss"
 #: steps of the standard-deviation grid per octave
@@ -43,6 +44,9 @@ GRID = 8
 LOWEST, HIGHEST = -8 * GRID, 12 * GRID
 #: weight of the uniform distribution mixed into every model
 FLOOR = 2.0**-16
+#: symbols a decoder takes from the coder at once (int32: 4 bytes each) and packs at once
+_DECODE_SYMBOLS = 1 << 20
+_PACK_SYMBOLS = 1 << 22
 
 try:  # the rANS coder; without it the encoder keeps the general-purpose backend and such a stream cannot decode
     import constriction as _constriction
@@ -121,9 +125,29 @@ def _symbols(data: bytes | memoryview, hint: Hint) -> list[np.ndarray]:
     return out
 
 
-def _packed(planes: list[np.ndarray], hint: Hint) -> bytes:
-    """Inverse of :func:`_symbols` (:func:`kvtc.codec.packing.pack`: padding bits zero)."""
-    return b"".join(pack(torch.from_numpy(sym), hint.bits, hint.packing).numpy().tobytes() for sym in planes)
+def _pack_into(dst: np.ndarray, planes: np.ndarray, bits: int, packing: str) -> None:
+    """Pack uint8 symbol ``planes [rows, n]`` into ``dst`` (uint8 ``[rows, packed_plane_bytes(n)]``), as
+    :func:`kvtc.codec.packing.pack` does (low bits first, padding bits zero), a block of rows at a time in uint8
+    (no wider copies of the planes)."""
+    rows, n = planes.shape
+    per = symbols_per_byte(bits, packing)
+    if per == 1:
+        dst[:] = planes
+        return
+    whole = n // per
+    step = max(1, _PACK_SYMBOLS // max(n, 1))
+    for a in range(0, rows, step):
+        block = planes[a : a + step]
+        out = dst[a : a + step]
+        body = block[:, : whole * per].reshape(len(block), whole, per)
+        out[:, :whole] = body[:, :, 0]
+        for j in range(1, per):
+            out[:, :whole] |= body[:, :, j] << (j * bits)
+        if whole * per < n:  # the last byte's symbols, the rest of its bits zero
+            tail = block[:, whole * per :]
+            out[:, whole] = tail[:, 0]
+            for j in range(1, tail.shape[1]):
+                out[:, whole] |= tail[:, j] << (j * bits)
 
 
 def _order(hint: Hint) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -165,25 +189,51 @@ def decompress(data: bytes | memoryview, raw_len: int, hint: Hint | None) -> byt
     planes = [np.zeros((len(ks), n), dtype=np.uint8) for n, ks in hint.pieces]
     try:
         coder = _AnsCoder(words)
+        del words
         for k, rows in _order(hint):
-            counts = [hint.pieces[i][0] for i, _ in rows]
-            sym = coder.decode(_model(hint.bits, k), int(sum(counts)))
-            off = 0
-            for (i, r), c in zip(rows, counts):
-                planes[i][r] = sym[off : off + c]
-                off += c
+            model = _model(hint.bits, k)
+            # the rows of one model decode as one run of symbols: taken in batches of at most _DECODE_SYMBOLS
+            # (bounded int32 copies), the same symbols in the same order
+            batch: list[tuple[int, int, int]] = []
+            total = 0
+            for i, r in rows:
+                c = hint.pieces[i][0]
+                batch.append((i, r, c))
+                total += c
+                if total >= _DECODE_SYMBOLS:
+                    _decode_rows(coder, model, batch, total, planes)
+                    batch, total = [], 0
+            if batch:
+                _decode_rows(coder, model, batch, total, planes)
         empty = coder.is_empty()
     except Exception as e:  # the coder's own errors on a stream it cannot read
         raise FormatError(f"corrupt gauss stream: {e}") from None
     if not empty:
         raise FormatError("gauss stream is longer than its symbols; the blob is corrupt")
-    out = _packed(planes, hint)
-    if zlib.crc32(out) & 0xFFFFFFFF != crc:
+    made = new_bytes(raw_len)  # the result is written once, in place (no joined copies)
+    out, dst = made if made is not None else (None, np.zeros(raw_len, dtype=np.uint8))
+    off = 0
+    for (n, ks), sym in zip(hint.pieces, planes):
+        width = packed_plane_bytes(n, hint.bits, hint.packing)
+        _pack_into(dst[off : off + len(ks) * width].reshape(len(ks), width), sym, hint.bits, hint.packing)
+        off += len(ks) * width
+    del planes
+    result = out if out is not None else dst.tobytes()
+    if zlib.crc32(result) & 0xFFFFFFFF != crc:
         raise FormatError(
             "gauss stream decoded to other planes than were coded (corrupt stream, or a calibration whose "
             "variances differ from the encoder's)"
         )
-    return out
+    return result
+
+
+def _decode_rows(coder: object, model: object, batch: list[tuple[int, int, int]], total: int, planes: list) -> None:
+    """Decode ``total`` symbols under ``model`` into the plane rows of ``batch`` (``(piece, row, count)``, in order)."""
+    sym = coder.decode(model, total)  # type: ignore[attr-defined]
+    off = 0
+    for i, r, c in batch:
+        planes[i][r] = sym[off : off + c]
+        off += c
 
 
 __all__ = ["FLOOR", "GRID", "NAME", "Hint", "available", "compress", "decompress", "probabilities", "std_index"]

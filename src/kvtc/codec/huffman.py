@@ -261,6 +261,8 @@ def _decode_blocks_py(
 def cpu_decompress(data: bytes | bytearray | memoryview, raw_len: int) -> bytes:
     """Decode a ``huff4k`` stream of exactly ``raw_len`` bytes (numpy, all blocks in lockstep; a stream of a
     few blocks symbol by symbol)."""
+    from .buffers import new_bytes  # (torch's module: imported only where a stream is decoded)
+
     p = parse(data, raw_len)
     if raw_len == 0:
         return b""
@@ -268,10 +270,11 @@ def cpu_decompress(data: bytes | bytearray | memoryview, raw_len: int) -> bytes:
     nbytes = _block_sizes(raw_len)
     wstart = np.zeros(len(p.words) + 1, dtype=np.int64)
     np.cumsum(p.words, out=wstart[1:])
-    out = np.empty(raw_len, dtype=np.uint8)
+    made = new_bytes(raw_len)  # the result is written in place: no copy of it into a bytes object
+    result, out = made if made is not None else (None, np.empty(raw_len, dtype=np.uint8))
     if len(p.words) < _PY_BLOCKS:
         _decode_blocks_py(payload, wstart, p.words, nbytes, decode_table(p.lengths), out)
-        return out.tobytes()
+        return result if result is not None else out.tobytes()
     table = decode_table(p.lengths).astype(np.uint32)
     table[table == 0] = _HOLE
     for g0 in range(0, len(p.words), _DEC_GROUP):
@@ -280,10 +283,11 @@ def cpu_decompress(data: bytes | bytearray | memoryview, raw_len: int) -> bytes:
         nb = g1 - g0
         # the group's words with one zero word after each block, as overlapping 64-bit pairs
         seg = payload[wstart[g0] : wstart[g1]]
-        padded = np.zeros(len(seg) + nb + 1, dtype=np.uint64)
+        padded = np.empty(len(seg) + nb + 1, dtype=np.uint64)
         starts = np.zeros(nb, dtype=np.int64)
         np.cumsum(cnt[:-1] + 1, out=starts[1:])
-        padded[np.arange(len(seg)) + np.repeat(np.arange(nb), cnt)] = seg
+        padded[:-1] = np.insert(seg, np.cumsum(cnt), 0)  # a zero word after each block's (every block has one)
+        padded[-1] = 0
         pairs = padded[:-1] | (padded[1:] << np.uint64(32))
         pos = (starts * 32).astype(np.uint64)  # bit position, in the padded group
         first = pos.copy()
@@ -320,7 +324,7 @@ def cpu_decompress(data: bytes | bytearray | memoryview, raw_len: int) -> bytes:
         o0 = g0 * BLOCK
         out[o0 : o0 + (nb - 1) * BLOCK] = blk[:-1].reshape(-1)
         out[o0 + (nb - 1) * BLOCK : o0 + (nb - 1) * BLOCK + tail_n] = blk[-1, :tail_n]
-    return out.tobytes()
+    return result if result is not None else out.tobytes()
 
 
 __all__ = [

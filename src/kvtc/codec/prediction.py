@@ -19,6 +19,8 @@ from ..calibration.token_map import TokenMap
 from ..errors import CalibrationError, FormatError
 from ..layout import KVSlice
 from . import container
+from .budget import decoded_output_bytes
+from .buffers import MIN_CHUNK_ROWS, Scratch, chunk_bytes, chunk_rows, row_chunks
 from .entropy import decode_stream
 from .header import Header
 
@@ -83,22 +85,109 @@ def _columns(header: Header, positions: list[int]) -> torch.Tensor:
 
 
 def shift(
-    kv: KVSlice, header: Header, token_map: TokenMap, emb: torch.Tensor, ids: torch.Tensor, sign: float
+    kv: KVSlice,
+    header: Header,
+    token_map: TokenMap,
+    emb: torch.Tensor,
+    ids: torch.Tensor,
+    sign: float,
+    inplace: bool = False,
 ) -> KVSlice:
-    """``kv`` with ``sign`` times the prediction added to each layer's coded tokens (new tensors, same dtype)."""
+    """``kv`` with ``sign`` times the prediction added to each layer's coded tokens (new tensors, same dtype;
+    ``inplace``: added into ``kv``'s own tensors, for a caller that owns them, such as a decode). The prediction is
+    computed a chunk of a span's tokens at a time (:func:`feature_chunks`, chunks of
+    :func:`~kvtc.codec.buffers.chunk_bytes` of the decode), each chunk's product over at least
+    :data:`~kvtc.codec.buffers.MIN_CHUNK_ROWS` rows: the same bits as one product."""
     lay = header.layout
     dev = kv.keys.device
-    x = token_map.features(emb, ids, dev)
-    out = {"keys": kv.keys.clone(), "values": kv.values.clone()}
+    check_vocabulary(token_map, emb, ids, dev)
+    chunk = chunk_bytes(decoded_output_bytes(header), 16)  # (only the result is held beside it)
+    out = {"keys": kv.keys, "values": kv.values}
+    if not inplace:
+        out = {k: t.clone() for k, t in out.items()}
     B, H, D = kv.batch, len(lay.heads), lay.head_dim
+    work = Scratch()  # the chunks' buffers, allocated once
     for positions, a, b in coded_spans(header):
         cols = _columns(header, positions)
+        part_map = token_map.columns(cols)  # the spans' weight columns, gathered once
         idx = torch.tensor(positions, device=dev)
-        for kind, t in out.items():
-            p = token_map.predict(x[:, a:b], kind, cols).view(B, b - a, len(positions), H, D)
-            part = t[:, a:b].index_select(2, idx).float() + sign * p
-            t[:, a:b].index_copy_(2, idx, part.to(t.dtype))
+        for t0, t1, x in feature_chunks(token_map, emb, ids, a, b, len(cols), dev, chunk):
+            shape = (B, t1 - t0, len(positions), H, D)
+            for kind, t in out.items():
+                p = part_map.predict(x, kind).view(shape)
+                if sign != 1.0:
+                    p.mul_(sign)
+                held = torch.index_select(t[:, t0:t1], 2, idx, out=work.tensor("held", shape, t.dtype, dev))
+                part = work.tensor("part", shape, torch.float32, dev).copy_(held)
+                part.add_(p)  # (in place: the bits of part + sign * p)
+                del p
+                t[:, t0:t1].index_copy_(2, idx, held.copy_(part))
     return KVSlice(kv.layout, out["keys"], out["values"], kv.positions, kv.model_id, ids)
+
+
+def add_to_layer_list(
+    layers: list[tuple[int, torch.Tensor, torch.Tensor]],
+    header: Header,
+    token_map: TokenMap,
+    emb: torch.Tensor,
+    ids: torch.Tensor,
+) -> None:
+    """:func:`add_to_layers` on layers already decoded (each layer's own ``[B, T, H, D]`` tensors, added in place),
+    token chunk by token chunk as :func:`shift` does."""
+    if not layers:
+        return
+    dev = layers[0][1].device
+    check_vocabulary(token_map, emb, ids, dev)
+    chunk = chunk_bytes(decoded_output_bytes(header), 16)  # (only the result is held beside it)
+    lay = header.layout
+    work = Scratch()  # the chunks' buffers, allocated once
+    for positions, a, b in coded_spans(header):
+        maps = [(li, token_map.columns(_columns(header, [li]))) for li in positions]
+        per = len(lay.heads) * lay.head_dim
+        for t0, t1, x in feature_chunks(token_map, emb, ids, a, b, per, dev, chunk):
+            for li, part_map in maps:
+                _, k, v = layers[li]
+                for t, kind in ((k, "keys"), (v, "values")):
+                    shape = (t.shape[0], t1 - t0, *t.shape[2:])
+                    p = part_map.predict(x, kind).view(shape)
+                    part = work.tensor("part", shape, torch.float32, dev).copy_(t[:, t0:t1])
+                    t[:, t0:t1] = part.add_(p)
+                    del p
+
+
+def check_vocabulary(token_map: TokenMap, emb: torch.Tensor, ids: torch.Tensor, device: torch.device) -> None:
+    """Raise :class:`~kvtc.errors.CalibrationMismatch` where any of ``ids`` lies outside the map's vocabulary (as
+    :meth:`TokenMap.features` of all of them would, before any is computed)."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= token_map.vocab):
+        token_map.features(emb, ids, device)  # raises, naming the vocabulary
+
+
+def feature_chunks(
+    token_map: TokenMap,
+    emb: torch.Tensor,
+    ids: torch.Tensor,
+    a: int,
+    b: int,
+    columns: int,
+    device: torch.device,
+    chunk: int | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(t0, t1, features of tokens [t0, t1))`` over tokens ``[a, b)`` of ``ids [B, T]``, in chunks whose float32
+    predictions of ``columns`` features take about ``chunk`` bytes (default
+    :data:`~kvtc.codec.buffers.CHUNK_BYTES`; at least :data:`~kvtc.codec.buffers.MIN_CHUNK_ROWS` rows, or all):
+    each token's features are those :meth:`TokenMap.features` gives it among all the ids (its lags read from the
+    tokens before the chunk)."""
+    B = ids.shape[0]
+    lags = token_map.lags
+    f = lags * token_map.dim
+    least = -(-MIN_CHUNK_ROWS // max(B, 1))
+    # per row: the prediction (columns), the features and their lagged parts (a few times f)
+    step = max(least, chunk_rows(4 * max(columns, 2 * f), chunk) // max(B, 1))
+    for t0, t1 in row_chunks(b - a, step, least):
+        t0, t1 = a + t0, a + t1
+        lo = max(t0 - (lags - 1), 0)
+        x = token_map.features(emb, ids[:, lo:t1], device)
+        yield t0, t1, x[:, t0 - lo :].contiguous()
 
 
 def add_to_layers(
@@ -125,4 +214,16 @@ def add_to_layers(
         yield layer, k, v
 
 
-__all__ = ["SECTION", "add_to_layers", "check_ids", "coded_spans", "ids_bytes", "read_ids", "section_ids", "shift"]
+__all__ = [
+    "SECTION",
+    "add_to_layer_list",
+    "add_to_layers",
+    "check_ids",
+    "check_vocabulary",
+    "coded_spans",
+    "feature_chunks",
+    "ids_bytes",
+    "read_ids",
+    "section_ids",
+    "shift",
+]

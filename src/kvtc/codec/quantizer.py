@@ -10,19 +10,32 @@ parameters in plan order, a row of N tokens each: shift then scale, or the scale
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import kernels
 from ..calibration.plan import Plan
-from ..quant import CODED_TYPES, DROP, FIXED_TYPES, TYPE_BITS, TYPE_NAMES, dequantize, param_rows, quantize
+from ..quant import (
+    CODED_TYPES,
+    DROP,
+    FIXED_TYPES,
+    TYPE_BITS,
+    TYPE_NAMES,
+    dequantize,
+    dequantize_numpy,
+    param_rows,
+    quantize,
+)
 from . import gaussian
-from .buffers import from_le, le_bytes, section_tensor
+from .buffers import Scratch, host_view, le_bytes, section_tensor
 from .clock import Clock
 from .entropy import Modeled
-from .packing import pack, packed_plane_bytes, unpack
+from .packing import pack, packed_plane_bytes, symbols_per_byte
 
 
 @dataclass
@@ -226,25 +239,82 @@ class Quantizer:
                 coeffs = torch.zeros((n, columns or pl.components), dtype=dtype, device=self.device)
                 self.dequantize(prefix, secs, pl, coeffs, packing, col_scale)
             return coeffs
-        with clock("unpack"):
-            params = from_le(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n)).to(self.device)
-            planes = {}
-            for t, c in pl.plane_sizes.items():
-                per = packed_plane_bytes(n, TYPE_BITS[t], packing)
-                packed = from_le(secs[f"{prefix}.{TYPE_NAMES[t]}"], torch.uint8, (c, per))
-                planes[t] = unpack(packed, n, TYPE_BITS[t], packing).to(self.device)
-        with clock("dequantize"):
-            coeffs = torch.zeros((n, pl.components), dtype=torch.float32, device=self.device)
-            for b in pl.buckets:
-                sym = planes[b.qtype][b.plane_rows.to(self.device)].reshape(-1, b.size, n).permute(2, 0, 1)
-                pr = b.param_rows.to(self.device)
-                if param_rows(b.qtype) == 0:
-                    vals = dequantize(sym, None, None, b.qtype, 1.0 if b.clips is None else b.clips)
-                elif param_rows(b.qtype) == 2:
-                    vals = dequantize(sym, params[pr].T, params[pr + 1].T, b.qtype)
-                else:
-                    vals = dequantize(sym, None, params[pr].T, b.qtype)
-                coeffs[:, b.columns.to(self.device)] = vals
+        return self.rows(prefix, secs, pl, n, packing, clock)(0, n)
+
+    def rows(
+        self,
+        prefix: str,
+        secs: dict[str, Any],
+        pl: PlanLayout,
+        n: int,
+        packing: str,
+        clock: Clock,
+        dtype: torch.dtype = torch.float32,
+        columns: int | None = None,
+        most: int = 0,
+        work: Scratch | None = None,
+    ) -> Callable[[int, int], torch.Tensor]:
+        """``coeffs(r0, r1)``: rows ``[r0, r1)`` of :meth:`decode`'s coefficients, the same values, decoded from
+        the group's sections where they lie. The reference path reads only those rows' symbols and parameters, into
+        the buffers of ``work`` (``most``: the most rows a call will ask for): a decoder's memory then grows with the
+        rows it asks for at once, not with ``n``, and a call's result lasts until the next call of any source that
+        shares ``work``. The fused path decodes them all once."""
+        if self.fused:
+            coeffs = self.decode(prefix, secs, pl, n, packing, clock, dtype, columns)
+            return lambda r0, r1: coeffs[r0:r1]
+        dev = self.device
+        params = host_view(secs[f"{prefix}.params"], torch.float16, (pl.param_rows, n)).numpy()
+        packed = {
+            t: host_view(
+                secs[f"{prefix}.{TYPE_NAMES[t]}"], torch.uint8, (c, packed_plane_bytes(n, TYPE_BITS[t], packing))
+            ).numpy()
+            for t, c in pl.plane_sizes.items()
+        }
+        index = [
+            (
+                b,
+                b.plane_rows.numpy(),
+                b.param_rows.numpy(),
+                b.columns.numpy(),
+                None if b.clips is None else b.clips.numpy(),
+            )
+            for b in pl.buckets
+        ]
+        work = Scratch() if work is None else work
+        most = min(max(most, 1), n)
+        widest = max((b.columns.numel() for b in pl.buckets), default=0)
+
+        def coeffs(r0: int, r1: int) -> torch.Tensor:
+            r = r1 - r0
+            with clock("unpack"):
+                par = params[:, r0:r1]
+                planes = {
+                    t: _unpack_rows(p, r0, r1, TYPE_BITS[t], packing, work, f"plane{t}", most)
+                    for t, p in packed.items()
+                }
+            with clock("dequantize"):  # numpy: each operation on this thread (see quant.dequantize_numpy)
+                out = work.numpy("coeffs", (r, pl.components), np.float32, most * pl.components)
+                out.fill(0)
+                for b, plane_rows, pr, cols, steps in index:
+                    sym = work.numpy("sym", (len(plane_rows), r), np.uint8, most * widest)
+                    np.take(planes[b.qtype], plane_rows, axis=0, out=sym)
+                    sym = sym.reshape(-1, b.size, r).transpose(2, 0, 1)
+                    vals = work.numpy("vals", sym.shape, np.float32, most * widest)
+                    if param_rows(b.qtype) == 0:
+                        dequantize_numpy(sym, None, None, b.qtype, steps, vals)
+                    else:
+                        scale = work.numpy("scale", (len(pr), r), np.float16, most * widest)
+                        np.take(par, pr + param_rows(b.qtype) - 1, axis=0, out=scale)
+                        shift = None
+                        if param_rows(b.qtype) == 2:
+                            shift = np.take(
+                                par, pr, axis=0, out=work.numpy("shift", scale.shape, np.float16, most * widest)
+                            )
+                            shift = shift.T
+                        dequantize_numpy(sym, shift, scale.T, b.qtype, out=vals)
+                    out[:, cols] = vals
+                return torch.from_numpy(out).to(dev)
+
         return coeffs
 
     def dequantize(
@@ -274,6 +344,30 @@ class Quantizer:
                 coeffs, *b.starts(self.device), b.qtype, b.size, params, planes[b.qtype], packing, col_scale,
                 b.device_clips(self.device),
             )  # fmt: skip
+
+
+def _unpack_rows(
+    packed: np.ndarray, r0: int, r1: int, bits: int, packing: str, work: Scratch, name: str, most: int
+) -> np.ndarray:
+    """Symbols ``[r0, r1)`` of each plane of ``packed`` (uint8 ``[planes, packed bytes]``) as uint8
+    ``[planes, r1 - r0]``: :func:`kvtc.codec.packing.unpack` of the bytes that hold them, by a table of each byte's
+    symbols (no int32 copies of the planes), into ``work``'s buffer ``name`` (reserved for ``most`` rows)."""
+    per = symbols_per_byte(bits, packing)
+    if per == 1:
+        return packed[:, r0:r1]
+    b0, b1 = r0 // per, -(-r1 // per)
+    table = _byte_symbols(bits, per)
+    words = work.numpy(name, (packed.shape[0], b1 - b0), table.dtype, packed.shape[0] * (most // per + 2))
+    np.take(table, packed[:, b0:b1], out=words)
+    return words.view(np.uint8).reshape(packed.shape[0], -1)[:, r0 - b0 * per : r1 - b0 * per]
+
+
+@cache
+def _byte_symbols(bits: int, per: int) -> np.ndarray:
+    """``[256]`` words of ``per`` bytes: byte value -> its ``per`` symbols of ``bits`` bits (low bits first), one a
+    byte, in memory order."""
+    table = (np.arange(256)[:, None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)
+    return np.ascontiguousarray(table.astype(np.uint8)).view(f"<u{per}").reshape(256)
 
 
 def plan_layouts(calibration: Any, ratio: float) -> dict[str, list[PlanLayout]]:

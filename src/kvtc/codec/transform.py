@@ -199,8 +199,23 @@ class PCATransform:
         self, kind: str, g: int, coeffs: torch.Tensor, k: int, columns: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`reconstruct` of the feature ``columns`` of group ``g`` alone (one layer's, say)."""
+        return self.product(coeffs, *self.basis_columns(kind, g, k, columns))
+
+    def basis_columns(self, kind: str, g: int, k: int, columns: torch.Tensor) -> Basis:
+        """``(mean, basis)`` of the feature ``columns`` of group ``g``'s first ``k`` components (the reconstruction's):
+        what :meth:`reconstruct_columns` multiplies by, gathered once for a caller that multiplies many row blocks."""
         mean, basis = self.basis(kind, g, k, decode=True)
-        return self._addmm(coeffs, mean[columns], basis[:, columns], None)  # type: ignore[return-value]
+        return mean[columns], basis[:, columns]
+
+    def product(
+        self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``coeffs @ basis + mean`` as :meth:`reconstruct_columns` computes it (:meth:`basis_columns`' operands),
+        into ``out`` when given."""
+        if out is None:
+            return self._addmm(coeffs, mean, basis, None)  # type: ignore[return-value]
+        self._addmm(coeffs, mean, basis, [out])
+        return out
 
     def _addmm(
         self, coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, out: list[torch.Tensor] | None
