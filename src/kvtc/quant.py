@@ -233,6 +233,11 @@ def dequantize_numpy(
     a time with it: numpy runs each operation on the calling thread, where torch would start a parallel region per
     operation (thousands of them on a large decode, each a wait for the other threads where the machine's cores are
     busy)."""
+    with np.errstate(all="ignore"):  # as torch: a corrupt scale (inf, NaN) gives inf/NaN values, never a warning
+        return _dequantize_numpy(sym, shift, scale, qtype, step, out)
+
+
+def _dequantize_numpy(sym, shift, scale, qtype, step, out):  # noqa: ANN001, ANN202 - see dequantize_numpy
     val = np.empty(sym.shape, dtype=np.float32) if out is None else out
     if qtype in FIXED_TYPES:
         val[...] = sym
