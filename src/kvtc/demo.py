@@ -115,7 +115,7 @@ def _run(args: argparse.Namespace, cal: Any, timer: StageTimer) -> dict[str, Any
 
     args.out.mkdir(parents=True, exist_ok=True)
     paths = {r: args.out / f"kvtc-demo-{r:g}x.kvtc" for r in args.ratios}
-    emb = model.get_input_embeddings().weight  # for a calibration with a token map (README step 7)
+    emb = model.get_input_embeddings().weight  # for a calibration with a token map (docs/METHOD.md, step 7)
     methods = [
         KVTC(cal, r, dtype=STORAGE_DTYPE, model_id=model_id, store=_through_file(paths[r]), embeddings=emb)
         for r in args.ratios
