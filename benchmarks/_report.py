@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("KVTC_CACHE", str(ROOT / ".cache"))
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+#: full forms of the sections too long for BENCHMARKS.md (which keeps a summary and a link)
+DETAILS = ROOT / "docs" / "results"
 
 
 def machine() -> dict[str, Any]:
@@ -71,9 +73,25 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     return path
 
 
-def update_section(name: str, markdown: str) -> None:
+def write_details(name: str, markdown: str) -> str:
+    """Write the full form of section ``name`` to ``docs/results/{name}.md`` (its ``###`` heading made the page's
+    title, its links to files of the checkout made relative to that page) and return the line that links it."""
+    body = markdown.strip()
+    if body.startswith("### "):
+        body = "# " + body[4:]
+    body = body.replace("](benchmarks/", "](../../benchmarks/")
+    DETAILS.mkdir(parents=True, exist_ok=True)
+    (DETAILS / f"{name}.md").write_text(body + "\n")
+    return f"Full report: [docs/results/{name}.md](docs/results/{name}.md)."
+
+
+def update_section(name: str, markdown: str, details: str | None = None) -> None:
     """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->`` in BENCHMARKS.md
-    (appending the section when it is not there yet)."""
+    (appending the section when it is not there yet). With ``details``, the section's full form goes to
+    ``docs/results/{name}.md`` (:func:`write_details`) and BENCHMARKS.md keeps ``markdown``, its summary, and a link:
+    BENCHMARKS.md holds the current figures only and stays short."""
+    if details is not None:
+        markdown = markdown.rstrip() + "\n\n" + write_details(name, details)
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
     block = f"{start}\n{markdown.strip()}\n{end}"
@@ -82,11 +100,12 @@ def update_section(name: str, markdown: str) -> None:
     BENCHMARKS_MD.write_text(text)
 
 
-def publish(name: str, result: dict[str, Any], markdown: str) -> None:
-    """Write ``results/{name}.json``, replace the ``name`` section of BENCHMARKS.md and print the section."""
+def publish(name: str, result: dict[str, Any], markdown: str, details: str | None = None) -> None:
+    """Write ``results/{name}.json``, replace the ``name`` section of BENCHMARKS.md (``details``: its full form, in
+    ``docs/results/{name}.md``, see :func:`update_section`) and print the section's full form."""
     write_json(name, result)
-    update_section(name, markdown)
-    print(markdown)
+    update_section(name, markdown, details)
+    print(details or markdown)
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -98,69 +117,3 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(out)
-
-
-#: the storage round trip's per-method figures the benchmarks report
-ROUNDTRIP_KEYS = ("ratio", "delta_ppl_pct", "kl", "top1_agreement", "k_rel_error", "v_rel_error")
-
-
-def roundtrip_cells(r: dict[str, Any]) -> str:
-    """A round trip's :data:`ROUNDTRIP_KEYS` figures as the cells that end a markdown table row."""
-    return (
-        f"{r['ratio']:.2f}× | {r['delta_ppl_pct']:+.2f}% | {r['kl']:.4f} | {r['top1_agreement']:.3f} | "
-        f"{r['k_rel_error']:.3f} | {r['v_rel_error']:.3f} |"
-    )
-
-
-def roundtrip_rows(
-    model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int
-) -> list[tuple[str, Any, dict[str, Any]]]:
-    """``kvtc eval``'s storage round trip of ``methods`` on ``windows`` windows (seed 0) of each built-in text:
-    ``(text, method, {figure: value})`` for every pair."""
-    from kvtc import assets
-    from kvtc.eval.protocols import storage_roundtrip
-    from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
-
-    out = []
-    for text in texts:
-        ids = assets.token_windows(
-            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, windows, seed=0
-        )
-        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            s = tallies[m.label].summary()
-            out.append((text, m, {k: s.get(k) for k in ROUNDTRIP_KEYS}))
-    return out
-
-
-def cuda_timed(fn: Any, reps: int = 10) -> float:
-    """Median seconds of ``fn()`` on the current CUDA device over ``reps`` runs (CUDA events), after one warm-up."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def heldout_roundtrips(model: Any, tok: Any, methods: list[Any], texts: list[str], windows: int, seed: int) -> Any:
-    """Yield ``(text, method, summary)`` of the storage round trip of ``windows`` windows (2,048 + 256 tokens, drawn
-    with ``seed``) of each of ``texts`` through ``methods``: the held-out protocol of the tuning studies."""
-    from kvtc import assets
-    from kvtc.eval.protocols import storage_roundtrip
-    from kvtc.eval.suite import DEFAULT_CONTEXT, DEFAULT_CONTINUATION
-
-    for text in texts:
-        ids = assets.token_windows(
-            tok, assets.corpus(text), DEFAULT_CONTEXT + DEFAULT_CONTINUATION + 1, windows, seed=seed
-        )
-        tallies = storage_roundtrip(model, ids, methods, DEFAULT_CONTEXT)
-        for m in methods:
-            yield text, m, tallies[m.label].summary()

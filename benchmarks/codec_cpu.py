@@ -5,7 +5,8 @@ DP's run time at p = 5,760 (SmolLM2) and p = 32,768 (Llama-3.1-8B shape) at 16x.
 
 The calibration is synthetic (a decaying spectrum in a random rotation), fitted by the library's own
 ``fit_calibration``; throughput is MB/s of bf16 K+V (10^6 bytes), the median of repeated runs.
-Writes benchmarks/results/codec_cpu.json and the "codec_cpu" section of BENCHMARKS.md.
+Writes benchmarks/results/codec_cpu.json, the "codec_cpu" section of BENCHMARKS.md (throughput) and its full form
+with the stage and DP timings, docs/results/codec_cpu.md.
 """
 
 from __future__ import annotations
@@ -121,19 +122,22 @@ def main() -> None:
     }
     write_json("codec_cpu", result)
     m = result["machine"]
-    md = f"""### CPU codec throughput (SmolLM2 shape, synthetic calibration)
+    head = f"""### CPU codec throughput (SmolLM2 shape, synthetic calibration)
 
-`{result["command"]}` — {m["date"]}, {m["cpu"]} ({m["cores"]} cores, {m["torch_threads"]} torch threads),
-Python {m["python"]}, torch {m["torch"]}, kvtc {m.get("kvtc")} ({m.get("commit", "")}).
-Slice: 1 x {n} tokens x 30 layers x 3 KV heads x 64, bf16 ({mb:.1f} MB of K+V); target {args.ratio:g}x:
-codec ratio {info["codec_ratio"]:.1f}x after entropy coding ({info["codec_ratio_before_entropy"]:.1f}x before),
+`{result["command"]}` — {m["date"]}, {m["cpu"]} ({m["cores"]} cores, {m["torch_threads"]} torch threads), \
+Python {m["python"]}, torch {m["torch"]}, kvtc {m.get("kvtc")} ({m.get("commit", "")}). \
+Slice: 1 x {n} tokens x 30 layers x 3 KV heads x 64, bf16 ({mb:.1f} MB of K+V); target {args.ratio:g}x: \
+codec ratio {info["codec_ratio"]:.1f}x after entropy coding ({info["codec_ratio_before_entropy"]:.1f}x before), \
 whole cache {info["whole_cache_ratio"]:.1f}x; keys relative squared error {rel:.2e}.
 
 | | seconds (median of {args.repeats}) | MB/s of bf16 KV |
 |---|---|---|
 | encode | {enc_s:.3f} | {mb / enc_s:.0f} |
 | decode | {dec_s:.3f} | {mb / dec_s:.0f} |
-
+"""
+    md = (
+        head
+        + f"""
 Encode stages (best run):
 
 {table(stage_rows(enc_stages, sum(enc_stages.values())), ["stage", "seconds", "share"])}
@@ -148,7 +152,8 @@ DP bit allocation run time (1,024 calibration rows, aligned groups {{1, 16, 64, 
 
 {table(dp_rows, ["p", "components", "ratio", "seconds"])}
 """
-    update_section("codec_cpu", md)
+    )
+    update_section("codec_cpu", head, details=md)
     print(md)
 
 

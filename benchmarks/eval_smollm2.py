@@ -1,7 +1,8 @@
 """The embedded default's quality-vs-bytes benchmark: ``kvtc eval`` with its defaults on SmolLM2-135M.
 
-Writes benchmarks/results/eval_smollm2.{json,md,png} and the ``eval_smollm2`` section of BENCHMARKS.md.
-Extra arguments go to ``kvtc eval`` (e.g. ``--device cuda``); ``--render`` re-renders the saved result.
+Writes benchmarks/results/eval_smollm2.{json,md,png}, the ``eval_smollm2`` section of BENCHMARKS.md (a summary: kvtc
+at the eval's default targets and the main baselines) and its full report, docs/results/eval_smollm2.md. Extra
+arguments go to ``kvtc eval`` (e.g. ``--device cuda``); ``--render`` re-renders the saved result.
 """
 
 from __future__ import annotations
@@ -9,11 +10,55 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import _report
 from kvtc.eval import report
 from kvtc.eval.cli import config_from_args, register
 from kvtc.eval.suite import acceptance, run
+from kvtc.textsafe import printable
+
+#: the rows of the BENCHMARKS.md summary (the full report has every method and ratio)
+SUMMARY_ROWS = ("exact", *(f"kvtc {t}x" for t in (8, 16, 32, 64)), "fp8-e4m3", "KIVI 2-bit", "StreamingLLM 16x")
+
+
+def head(result: dict[str, Any], title: str, date: str) -> str:
+    """The section's heading and its run: command, date, machine, run time, calibration."""
+    m, t, cal = result.get("machine", {}), result.get("timings_s", {}), result["calibration"]
+    gpu = f", {printable(m['gpu'])}" if m.get("gpu") else ""
+    return (
+        f"### {title} (`kvtc eval`)\n\n`{result['command']}` — {date}; {printable(m.get('cpu', '?'))} "
+        f"({m.get('cores', '?')} cores, {m.get('torch_threads', '?')} torch threads{gpu}), "
+        f"{t.get('total', 0) / 60:.1f} min; calibration `{printable(cal['name'])}`."
+    )
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The storage round trip's :data:`SUMMARY_ROWS` (those the run has) as a markdown table."""
+    cfg = result["config"]
+    by = {r["method"]: r for r in result["storage_roundtrip"]}
+    ret = {r["method"]: r for r in result.get("retrieval", [])}
+    lines = [
+        f"{cfg['windows']} windows of {cfg['context']:,} context + {cfg['continuation']} scored tokens of "
+        f"{', '.join(printable(t) for t in result['texts'])} text; {cfg['sinks']} sinks and the {cfg['window']} newest "
+        "tokens exact.",
+        "",
+        "| method | ratio | Δppl | KL(exact‖lossy) | top-1 agree | pass-key acc. |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in SUMMARY_ROWS:
+        r = by.get(name)
+        if r is None:
+            continue
+        acc = f"{ret[name]['accuracy']:.2f}" if name in ret else ""
+        if r["curve"] == "exact":
+            lines.append(f"| exact | 1 | ppl {r['ppl']:.3f} | 0 | 1 | {acc} |")
+            continue
+        lines.append(
+            f"| {name} | {r['ratio']:.2f}× | {report._pct(r.get('delta_ppl_pct'))} | {report._f(r.get('kl'))} | "
+            f"{report._f(r.get('top1_agreement'))} | {acc} |"
+        )
+    return "\n".join(lines)
 
 
 def bench(stem: str, title: str, argv: list[str], defaults: list[str] | None = None) -> int:
@@ -32,11 +77,9 @@ def bench(stem: str, title: str, argv: list[str], defaults: list[str] | None = N
     paths = report.write(result, _report.RESULTS, stem=stem)
     md = report.markdown(result)
     date = result.get("machine", {}).get("date") or _report.machine()["date"]  # when the run was made
-    head = (
-        f"### {title} (`kvtc eval`)\n\n`{result['command']}` — "
-        f"{date}.\n\n![quality vs bytes](benchmarks/results/{stem}.png)\n\n"
-    )
-    _report.update_section(stem, head + md)
+    top = head(result, title, date)
+    plot = f"![quality vs bytes](benchmarks/results/{stem}.png)"
+    _report.update_section(stem, f"{top}\n{summary(result)}", details=f"{top}\n\n{plot}\n\n{md}")
     print(md)
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)

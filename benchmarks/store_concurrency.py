@@ -339,14 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     if out.resolve() == RESULTS.resolve():
-        update_section("store_concurrency", markdown_report(report))
+        update_section("store_concurrency", markdown_report(report, full=False), details=markdown_report(report))
     print(markdown_table(results))
     bad = sum(r["corrupt_reads"] + r["store_corrupt"] for r in results)
     return 1 if bad else 0
 
 
-def markdown_report(report: dict[str, Any]) -> str:
-    """The BENCHMARKS.md section for one run."""
+def markdown_report(report: dict[str, Any], full: bool = True) -> str:
+    """The report of one run: in full (docs/results/store_concurrency.md), or without its notes on how the stores
+    ran and what the figures mean (``full=False``: the BENCHMARKS.md section)."""
     w = report["workload"]
     servers = ", ".join(
         f"{name} {report[key]}"
@@ -360,17 +361,18 @@ def markdown_report(report: dict[str, Any]) -> str:
         if any(r["store"] == "file" for r in report["results"])
         else ""
     )
-    return f"""### Store concurrency: file, one server, {m}-master cluster (issues 5 and 19)
-
-`{report["command"]}` — {report["date"]}, {report["cpu"]} ({report["cpus"]} cores), Python {report["python"]},
-redis-py {report["redis_py"]}, {servers}, commit {report["commit"]}.
-{w["procs"]} processes, {w["seconds"]:g} s per store, {w["keys"]} overlapping keys, values
-{w["value_bytes"][0] >> 10}–{w["value_bytes"][1] >> 10} KiB, {w["write_fraction"]:.0%} puts{budget}.
+    notes = f"""
 Each store ran alone, one after the other, in the same run. A cluster is {m} masters (no replicas) on this
 same machine, started by the script: its figures are the client's slot routing plus {m} server processes
 sharing the same cores, not {m} machines' capacity. The machine was shared with other jobs (1-minute load
 average {load[0]} before, {load[1]} after): the figures are a floor, not a capability, comparable only within
-this run.
+this run."""
+    return f"""### Store concurrency: file, one server, {m}-master cluster (issues 5 and 19)
+
+`{report["command"]}` — {report["date"]}, {report["cpu"]} ({report["cpus"]} cores), Python {report["python"]}, \
+redis-py {report["redis_py"]}, {servers}, commit {report["commit"]}. \
+{w["procs"]} processes, {w["seconds"]:g} s per store, {w["keys"]} overlapping keys, values \
+{w["value_bytes"][0] >> 10}–{w["value_bytes"][1] >> 10} KiB, {w["write_fraction"]:.0%} puts{budget}.{notes if full else ""}
 
 {markdown_table(report["results"])}
 

