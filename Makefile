@@ -38,6 +38,7 @@ test: assets lint
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 clean-venv:
 	rm -rf $(VENV)

@@ -26,7 +26,7 @@ from kvtc import assets  # noqa: E402
 from kvtc.calibration import Calibration  # noqa: E402
 from kvtc.codec import Codec, budget, container  # noqa: E402
 from kvtc.codec.header import PAD_SECTION  # noqa: E402
-from kvtc.codec.quantizer import plan_layouts  # noqa: E402
+from kvtc.coding.quantizer import plan_layouts  # noqa: E402
 from kvtc.integrations.hf import extract_slice  # noqa: E402
 from kvtc.integrations.hf_calibrate import default_calibration  # noqa: E402
 from kvtc.layout import MAX_TOKENS  # noqa: E402

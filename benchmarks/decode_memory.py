@@ -1,7 +1,7 @@
 """Peak resident memory of a CPU decode against the decoded KV bytes it declares, for every decode mode.
 
     python benchmarks/decode_memory.py [--sizes 64,256,1024] [--modes plan,ladder] [--no-benchmarks-md]
-                                       [--baseline-src OTHER_CHECKOUT/src]
+                                       [--baseline REV]
 
 The bound (security issue "Hostile input, round 2", acceptance line 3): the peak resident memory a decode adds is at
 most 1.5 x its decoded KV bytes (``2 x batch x tokens x features x dtype size``,
@@ -20,8 +20,9 @@ Modes: ``identity`` (raw tokens, no calibration); ``plan`` (one plan at 16x, zst
 (a layout whose layers are, five in six, sliding-window layers of 1,024 tokens); ``layers``, ``layers-sliding-ladder``
 and ``layers-token-map`` (:meth:`Codec.decode_layers` of the blobs of ``plan``, ``sliding-ladder`` and ``token-map``).
 
-``--baseline-src``: each blob is also decoded by the kvtc in that source folder (another checkout's ``src``, e.g. the
-commit before a change), in its own fresh process: the table gets "before" columns.
+``--baseline REV``: each blob is also decoded by the kvtc of that git revision of this repository (its ``src``, taken
+with ``git archive`` into a temporary folder; e.g. the commit before a change), in its own fresh process: the table
+gets "before" columns.
 
 Writes benchmarks/results/decode_memory.json and the "decode_memory" section of BENCHMARKS.md (not with
 ``--no-benchmarks-md``), and prints the section.
@@ -318,7 +319,7 @@ def markdown(result: dict[str, Any]) -> str:
     sizes = sorted({r["size_mib"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     by = {(r["mode"], r["size_mib"]): r for r in rows}
-    baseline = result.get("baseline_label") or result.get("baseline_src")
+    baseline = result.get("baseline")
     cells, columns = [], ["mode"]
     for s in sizes:
         columns += [f"{s} MiB"] + ([f"{s} MiB before"] if baseline else [])
@@ -363,8 +364,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the decoding process")
     ap.add_argument("--no-benchmarks-md", action="store_true", help="leave BENCHMARKS.md alone")
     ap.add_argument("--out", default="decode_memory", help="results/<out>.json")
-    ap.add_argument("--baseline-src", help="also decode each blob with the kvtc in this source folder (before columns)")
-    ap.add_argument("--baseline-label", help="what the baseline is, for the table (default: its folder)")
+    ap.add_argument("--baseline", metavar="REV", help="also decode each blob with the kvtc of this git revision")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--layers", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -381,10 +381,17 @@ def main() -> None:
         sys.exit(f"unknown modes {unknown}; use {list(MODES)}")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     torch.manual_seed(0)
-    rows = run(sizes, modes, args.threads, args.baseline_src)
+    with tempfile.TemporaryDirectory(prefix="kvtc-baseline-") as tmp:
+        baseline_src, baseline = None, None
+        if args.baseline:
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], check=True,
+                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True)
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+            baseline_src, baseline = os.path.join(tmp, "src"), f"the kvtc of commit {rev}"
+        rows = run(sizes, modes, args.threads, baseline_src)
     result = {
-        "baseline_src": args.baseline_src,
-        "baseline_label": args.baseline_label or args.baseline_src,
+        "baseline": baseline,
         "machine": machine(),
         "command": command(),
         "bound": {"factor": FACTOR, "slack_bytes": SLACK},

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from kvtc import __version__  # noqa: E402
 from kvtc.calibration import Recipe, fit_calibration  # noqa: E402
 from kvtc.codec import Codec  # noqa: E402
-from kvtc.codec.entropy import device_coder as _device_coder  # noqa: E402
+from kvtc.coding.entropy import device_coder as _device_coder  # noqa: E402
 
 
 def gpu_backend() -> str:

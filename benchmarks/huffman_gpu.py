@@ -37,8 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvtc.codec import huffman as H  # noqa: E402
-from kvtc.codec.entropy import device_coder  # noqa: E402
+from kvtc.coding import huffman as H  # noqa: E402
+from kvtc.coding.entropy import device_coder  # noqa: E402
 from kvtc.kernels import triton_huffman as K  # noqa: E402
 
 ENCODE_SWEEP = [

@@ -18,7 +18,7 @@ import torch
 from kvtc import KVSlice
 from kvtc.calibration import Calibration
 from kvtc.codec import Codec
-from kvtc.codec.entropy import BACKENDS
+from kvtc.coding.entropy import BACKENDS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 

@@ -89,7 +89,7 @@ def _load(instrument: bool = False) -> dict[str, Any]:
     import corpus_seed
 
     from kvtc.codec import Codec, container
-    from kvtc.codec.entropy import BACKENDS
+    from kvtc.coding.entropy import BACKENDS
     from kvtc.errors import KVTCError
 
     cal = corpus_seed.load_calibration()

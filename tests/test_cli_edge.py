@@ -103,7 +103,7 @@ def test_non_regular_files_are_refused_without_blocking(capsys, tmp_path):
 )
 def test_malformed_token_records_are_refused(capsys, tmp_path, ids):
     from kvtc.codec import Codec
-    from kvtc.fileio import read_blob
+    from kvtc.codec.container import read_blob
 
     blob = read_blob(os.path.join(os.path.dirname(__file__), "fixtures", "sample.kvtc"))
     path = tmp_path / "s.kvtc"

@@ -13,7 +13,7 @@ from kvtc.calibration.artifact import ratio_key
 from kvtc.calibration.dp import PAPER_TYPES, Plan
 from kvtc.codec import Codec
 from kvtc.codec.codec import CODED_TYPES
-from kvtc.codec.packing import packed_plane_bytes
+from kvtc.coding.packing import packed_plane_bytes
 from kvtc.errors import CalibrationError, CalibrationMismatch, LayoutError
 from kvtc.quant import (
     CLIPS,

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvtc.codec import crc
 from kvtc.codec.container import Header, write
-from kvtc.codec.entropy import Parts, Precoded
+from kvtc.coding.entropy import Parts, Precoded
 from kvtc.layout import KVLayout
 
 
@@ -72,7 +72,7 @@ def test_chunk_powers_are_the_shifts_crc32_combine_uses():
 
 
 def test_new_bytes_is_a_bytes_object_written_once():
-    from kvtc.codec.buffers import new_bytes
+    from kvtc.coding.buffers import new_bytes
 
     made = new_bytes(1000)
     if made is None:  # not CPython

@@ -1,4 +1,4 @@
-"""The ``gauss`` entropy backend: fixed-step planes coded under their components' Gaussians (kvtc.codec.gaussian)."""
+"""The ``gauss`` entropy backend: fixed-step planes coded under their components' Gaussians (kvtc.coding.gaussian)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtc.codec import entropy, gaussian
-from kvtc.codec.packing import pack
+from kvtc.coding import entropy, gaussian
+from kvtc.coding.packing import pack
 from kvtc.errors import FormatError
 
 pytestmark = pytest.mark.skipif(not gaussian.available(), reason="constriction is not installed")

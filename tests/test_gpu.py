@@ -1,6 +1,6 @@
 """The CUDA path against the CPU reference (skipped without CUDA).
 
-Fused kernels: symbols, shifts and scales bit for bit against kvtc.quant + kvtc.codec.packing, on fresh random
+Fused kernels: symbols, shifts and scales bit for bit against kvtc.quant + kvtc.coding.packing, on fresh random
 inputs, every type, group size and packing. Codec: blobs encoded on the GPU decode on the CPU and the reverse,
 with reconstructions equal within float32 rounding. Entropy: nvCOMP's Deflate chunks and the CPU twin decode
 each other's streams.
@@ -17,10 +17,10 @@ from kvtc import KVLayout
 from kvtc.calibration import Recipe, fit_calibration
 from kvtc.calibration.dp import Plan
 from kvtc.codec import Codec
-from kvtc.codec import nvcomp as gpu_entropy
 from kvtc.codec.codec import CODED_TYPES
-from kvtc.codec.entropy import BACKENDS, device_coder
-from kvtc.codec.packing import pack, packed_plane_bytes
+from kvtc.coding import nvcomp as gpu_entropy
+from kvtc.coding.entropy import BACKENDS, device_coder
+from kvtc.coding.packing import pack, packed_plane_bytes
 from kvtc.quant import (
     CLIPS,
     INT1S,
@@ -383,7 +383,7 @@ def test_fixed_step_plans_code_the_same_on_both_devices(setup, precision):
 def test_cpu_blobs_with_gauss_planes_decode_the_same_on_the_gpu(setup):
     """The CPU encoder's default coders (fixed-step planes under their Gaussians, delta-coded positions): a GPU
     codec decodes such a blob (those sections on the host) to what the CPU decodes."""
-    from kvtc.codec import gaussian
+    from kvtc.coding import gaussian
 
     _kernels()
     if not gaussian.available():

@@ -1,6 +1,6 @@
 """The ``huff4k`` GPU coder (Triton) against its CPU twin (skipped without CUDA and Triton).
 
-GPU streams must equal :func:`kvtc.codec.huffman.cpu_compress` byte for byte (one batched launch over
+GPU streams must equal :func:`kvtc.coding.huffman.cpu_compress` byte for byte (one batched launch over
 streams of mixed sizes and tables), GPU decoding of CPU streams must give back the input, a corrupt block
 must raise FormatError through the kernel's error flag, and a corrupt-but-well-framed stream decodes to the
 same bytes on both sides. With ``TRITON_INTERPRET=1`` and no GPU the same tests run on small inputs through
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtc.codec import huffman as H
-from kvtc.codec import huffman_gpu as HG
-from kvtc.codec.entropy import device_coder
+from kvtc.coding import huffman as H
+from kvtc.coding import huffman_gpu as HG
+from kvtc.coding.entropy import device_coder
 from kvtc.errors import FormatError
 
 triton = pytest.importorskip("triton")
@@ -194,7 +194,7 @@ def test_decode_in_parts_into_one_buffer(coder):
 
 
 def test_read_sections_mixed_backends(coder):
-    from kvtc.codec.entropy import encode_stream
+    from kvtc.coding.entropy import encode_stream
 
     raw = {"a": _int2(4096 * 3 + 1, 6).tobytes(), "b": b"xyz" * 100, "c": _int4(5000, 7).tobytes()}
     coded = {

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from kvtc import KVSlice
 from kvtc.calibration import Calibration
 from kvtc.codec import Codec
-from kvtc.codec.entropy import BACKENDS
+from kvtc.coding.entropy import BACKENDS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -17,10 +17,10 @@ import torch
 
 from kvtc import KVLayout
 from kvtc.codec import container, gpu_write
-from kvtc.codec.buffers import host_bytes
 from kvtc.codec.crc import crc32_combine
-from kvtc.codec.entropy import Precoded
-from kvtc.codec.huffman_gpu import DeviceCoder
+from kvtc.coding.buffers import host_bytes
+from kvtc.coding.entropy import Precoded
+from kvtc.coding.huffman_gpu import DeviceCoder
 from kvtc.errors import OutputBufferError
 
 triton = pytest.importorskip("triton")

@@ -13,8 +13,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvtc.codec import huffman as H
-from kvtc.codec.entropy import BACKENDS, decode_stream, device_coder, encode_stream
+from kvtc.coding import huffman as H
+from kvtc.coding.entropy import BACKENDS, decode_stream, device_coder, encode_stream
 from kvtc.errors import FormatError
 
 

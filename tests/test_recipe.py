@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtc import KVLayout, PCAGrouping
-from kvtc.calibration import Calibration, Plan, Recipe, fit_calibration, load_calibration
+from kvtc.calibration import Calibration, Plan, Recipe, fit_calibration
 from kvtc.calibration.artifact import FORMAT_VERSION
 from kvtc.calibration.digest import content_hash
 from kvtc.calibration.dp import R9_TYPES
@@ -231,6 +231,8 @@ def test_the_cli_builds_its_recipe_from_the_options():
 
 
 def test_load_calibration_resolves_objects_files_and_the_default_name(cal, tmp_path):
+    from kvtc.integrations.hf_calibrate import load_calibration
+
     assert load_calibration(cal) is cal
     path = cal.save(tmp_path / "c.safetensors")
     assert load_calibration(path).hash == cal.hash and load_calibration(str(path)).hash == cal.hash
@@ -243,7 +245,7 @@ def test_load_calibration_resolves_objects_files_and_the_default_name(cal, tmp_p
 
 
 def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path, monkeypatch):
-    from kvtc.integrations.hf_calibrate import default_calibration, default_calibration_path
+    from kvtc.integrations.hf_calibrate import default_calibration, default_calibration_path, load_calibration
 
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
     smollm2, gemma3 = (default_calibration_path(model=m) for m in ("smollm2", "gemma3"))

@@ -86,32 +86,3 @@ def read_regular(path: str | os.PathLike[str], what: str, limit: int | None = No
         if limit is not None and size > limit:
             raise KVTCError(f"{path} holds {size} bytes, more than {what} can ({limit}); check the path")
         return f.read()
-
-
-def read_blob(path: str | os.PathLike[str]) -> bytes:
-    """A ``.kvtc`` file's bytes: opened only if it is a regular file; its prefix and header are read and
-    validated first, and the rest only if the header accounts for exactly the file's size."""
-    from .codec import container
-    from .errors import FormatError
-
-    path = Path(path)
-    with _open_regular(path, "a .kvtc file", FormatError) as (f, size):
-        head = f.read(container.PREFIX.size)
-        if len(head) == container.PREFIX.size:
-            hlen = container.PREFIX.unpack(head)[3]
-            if hlen <= container.MAX_HEADER_BYTES:
-                head += f.read(hlen)
-        try:
-            header, body = container.read_header(head, partial=True)
-        except FormatError as e:
-            raise FormatError(f"{path}: {e}") from None
-        need = body + sum(s.coded for s in header.sections)
-        if need != size:
-            raise FormatError(
-                f"{path}: the file holds {size} bytes, its header accounts for {need} (truncated or extended)"
-            )
-        f.seek(0)  # one read of the whole file: no second copy of a body that may be gigabytes
-        data = f.read(size + 1)
-        if len(data) != size:
-            raise FormatError(f"{path} changed size while being read; read it again")
-        return data

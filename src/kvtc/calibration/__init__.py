@@ -1,9 +1,9 @@
 """Calibration: PCA bases and DP bit plans fitted once per model, stored as a safetensors artifact."""
 
+from ..lazy import moved_attributes
 from .artifact import Calibration, ratio_key
 from .dp import Plan, allocate, allocate_for_error, budget_for_ratio
 from .fit import fit_calibration, sensitivity_scales
-from .load import load_calibration
 from .pca import PCAResult, fit_pca
 from .recipe import DEFAULT_RATIOS, RECIPES, Recipe
 
@@ -19,7 +19,10 @@ __all__ = [
     "budget_for_ratio",
     "fit_calibration",
     "fit_pca",
-    "load_calibration",
     "ratio_key",
     "sensitivity_scales",
 ]
+
+
+#: moved up to the integrations, which know the models: an alias (with a DeprecationWarning) for one release
+__getattr__ = moved_attributes(__name__, {"load_calibration": "kvtc.integrations.hf_calibrate"})

@@ -246,13 +246,13 @@ def stored_bits(
     coeffs: torch.Tensor, plan: Plan, backend: str | None = None, eigenvalues: torch.Tensor | None = None
 ) -> float:
     """Bits per row that ``plan``'s sections take for the coefficient rows ``coeffs`` ``[n, k]`` as the CPU codec
-    stores them: quantized and packed by :class:`kvtc.codec.quantizer.Quantizer`, each section entropy coded by
+    stores them: quantized and packed by :class:`kvtc.coding.quantizer.Quantizer`, each section entropy coded by
     ``backend`` (default: the CPU codec's, zstd) or stored raw where that is smaller, as in a blob; with the PCA's
-    ``eigenvalues``, each fixed-step plane also under its components' Gaussians (:mod:`kvtc.codec.gaussian`) where
+    ``eigenvalues``, each fixed-step plane also under its components' Gaussians (:mod:`kvtc.coding.gaussian`) where
     that is smaller, as the CPU encoder does."""
-    from ..codec.clock import stage_clock
-    from ..codec.entropy import DEFAULT_BACKEND, encode_stream
-    from ..codec.quantizer import PlanLayout, Quantizer
+    from ..coding.clock import stage_clock
+    from ..coding.entropy import DEFAULT_BACKEND, encode_stream
+    from ..coding.quantizer import PlanLayout, Quantizer
 
     pl = PlanLayout.build(plan)
     if pl.kept_groups == 0 or coeffs.shape[0] == 0:

@@ -1,4 +1,6 @@
-"""One way from what a user names to a :class:`Calibration`: the object itself, a file, or ``"default"``."""
+"""From what a user names to a :class:`Calibration`: the object itself or a file (:func:`open_calibration`), and
+which names mean an embedded model's default calibration. ``"default"`` itself is built from the model on first use:
+the integrations resolve it (:func:`kvtc.integrations.hf_calibrate.load_calibration`)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import os
 from typing import Any
 
 from ..errors import CalibrationError
+from ..lazy import moved_attributes
 from .artifact import Calibration
 
 #: the name of an embedded model's default calibration (built on first use and cached)
@@ -27,35 +30,25 @@ def is_default_model(name: Any) -> bool:
     return embedded_model_key(name) is not None
 
 
-def load_calibration(
-    source: Calibration | str | os.PathLike[str], model: Any = None, progress: bool = True
-) -> Calibration:
-    """The calibration ``source`` names: a :class:`Calibration` (returned as is), a calibration file's path, or
-    ``"default"``: the embedded model's own (the ``r13`` recipe, built on first use and cached, one file per
-    embedded model; see :func:`~kvtc.integrations.hf_calibrate.default_calibration`).
-
-    ``model`` (optional) names the model it is for (hub id, local directory, ``"default"`` or an embedded model's
-    name such as ``"gemma3"``; None is the default SmolLM2): ``"default"`` is refused for any model but an embedded
-    one. Raises :class:`CalibrationError` for a missing, corrupt or foreign file.
-    """
+def open_calibration(source: Calibration | str | os.PathLike[str]) -> Calibration:
+    """The calibration ``source`` names: a :class:`Calibration` (returned as is) or a calibration file's path.
+    Raises :class:`CalibrationError` for a missing, corrupt or foreign file, and for ``"default"``, which the
+    integrations resolve (:func:`kvtc.integrations.hf_calibrate.load_calibration`: it builds the embedded model's
+    calibration on first use)."""
     if isinstance(source, Calibration):
         return source
     if isinstance(source, str) and source == DEFAULT_CALIBRATION:
-        key = embedded_model_key("default" if model is None else model)
-        if key is None:
-            from ..assets import EMBEDDED_MODELS
-
-            embedded = ", ".join(m.key for m in EMBEDDED_MODELS)
-            raise CalibrationError(
-                f"default calibrations are the embedded models' ({embedded}), not {model}'s; pass a calibration file "
-                "made for that model (`kvtc calibrate --model ... --out FILE`, then --calibration FILE)"
-            )
-        from ..integrations.hf_calibrate import default_calibration
-
-        return Calibration.load(default_calibration(progress=progress, model=key))
+        raise CalibrationError(
+            "'default' names an embedded model's calibration, built from the model on first use: resolve it with "
+            "kvtc.integrations.hf_calibrate.load_calibration('default', model=...) and pass the Calibration or its file"
+        )
     if not isinstance(source, (str, os.PathLike)):
         raise CalibrationError(f"a calibration is a Calibration, a file path or 'default', not {type(source).__name__}")
     return Calibration.load(source)
 
 
-__all__ = ["DEFAULT_CALIBRATION", "embedded_model_key", "is_default_model", "load_calibration"]
+#: moved up to the integrations, which know the models: an alias (with a DeprecationWarning) for one release
+__getattr__ = moved_attributes(__name__, {"load_calibration": "kvtc.integrations.hf_calibrate"})
+
+
+__all__ = ["DEFAULT_CALIBRATION", "embedded_model_key", "is_default_model", "open_calibration"]

@@ -40,11 +40,11 @@ from ..quant import (
 DEFAULT_SIZES: tuple[int, ...] = (1, 16, 64, 256, 1024)
 PAPER_TYPES: tuple[int, ...] = (INT2, INT4, FP8)
 #: the default adds int3 and the scale-only types (ours): on SmolLM2 the DP's measured error at the same
-#: bits falls by about a fifth at 7-8x (BENCHMARKS.md, "Quantization types")
+#: bits falls by about a fifth at 7-8x (docs/studies/quant-types.md)
 #: and the 1-bit int1s: with the coded rate it lowers next-token KL by a further 5-11% at 16x on both embedded
-#: models (BENCHMARKS.md "What a ratio's budget counts")
+#: models (docs/studies/coded-rate.md)
 #: (the r9 recipe's set) and the fixed-step int2f / int4f / int8f: no per-token range parameters, each component's
-#: step chosen from a ladder (BENCHMARKS.md "Quality vs bytes on Gemma-3-270M", r10 against r9)
+#: step chosen from a ladder (docs/studies/fixed-types.md; docs/studies/history.md, r10 against r9)
 R9_TYPES: tuple[int, ...] = (INT2, INT3, INT4, FP8, INT2S, INT3S, INT4S, FP8S, INT1S)
 DEFAULT_TYPES: tuple[int, ...] = R9_TYPES + (INT2F, INT4F, INT8F)
 #: fixed-step candidates (ours): each component may take any step of a ladder ``top · 2^(-r/2)``, r < FIXED_RUNGS,

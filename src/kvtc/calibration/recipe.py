@@ -37,7 +37,7 @@ R12_RATIOS: tuple[float, ...] = (4, *R10_RATIOS[:7], 18, 24, 32, 36, 48, 64, 72,
 #: at up to 192x; Gemma-3-270M's 24x codes 12x/144x, 32x and 48x 12x/192x, 64x 16x/192x)
 DEFAULT_RATIOS: tuple[float, ...] = (*R12_RATIOS, 144, 192)
 #: weight of the values' relative error against the keys' in the joint split. Measured on SmolLM2-135M
-#: (BENCHMARKS.md, "K/V budget split"): value errors cost more next-token KL than key errors of the same
+#: (docs/studies/kv-split.md): value errors cost more next-token KL than key errors of the same
 #: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
 DEFAULT_VALUE_WEIGHT = 2.0
 #: share of a coded-rate budget (``rate="coded"``) kept for what the DP's estimate leaves out: the positions and
@@ -46,8 +46,8 @@ DEFAULT_VALUE_WEIGHT = 2.0
 CODED_HEADROOM = 0.03
 #: the same for the stored rate (``rate="stored"``), whose plans fit their budgets on held-out calibration rows: what
 #: is left is the positions and header and the distance between the calibration's text and the coded one (with 3%,
-#: Gemma-3-270M's plans stored 0.2-0.5% below their 8x, 16x and 24x targets on Wikipedia windows, BENCHMARKS.md
-#: "Quality vs bytes on Gemma-3-270M"), so a little more than the coded rate's
+#: Gemma-3-270M's plans stored 0.2-0.5% below their 8x, 16x and 24x targets on Wikipedia windows,
+#: docs/studies/history.md, "Quality vs bytes on Gemma-3-270M"), so a little more than the coded rate's
 STORED_HEADROOM = 0.05
 #: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
 #: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
@@ -69,8 +69,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # how the PCA weighs features: by the loss's measured sensitivity ("fisher", ours) or not at all ("none": the
     # paper's plain squared error)
     "sensitivity": ("fisher", "none"),
-    # one sensitivity weight per feature (the least next-token KL on SmolLM2-135M, BENCHMARKS.md "Sensitivity
-    # weighting") or per (layer, KV head), the mean of its dimensions
+    # one sensitivity weight per feature (the least next-token KL on SmolLM2-135M,
+    # docs/studies/sensitivity.md) or per (layer, KV head), the mean of its dimensions
     "sensitivity_resolution": ("feature", "head"),
     # the labels whose loss gradients are measured: the text's own ("text": the empirical Fisher) or drawn from the
     # model ("model": the true Fisher, sampled)
@@ -82,7 +82,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # 1.1x, comes on top of the target)
     "rate": ("stored", "coded", "nominal"),
     # the coder the stored rate fits each plan's sections to: each fixed-step plane under its components' Gaussians
-    # where that is smaller than zstd ("gauss", ours: as the CPU encoder stores them, kvtc.codec.gaussian), or zstd
+    # where that is smaller than zstd ("gauss", ours: as the CPU encoder stores them, kvtc.coding.gaussian), or zstd
     # alone ("zstd": r13 and before)
     "coder": ("gauss", "zstd"),
     # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the

@@ -29,7 +29,8 @@ import torch
 from ..errors import CalibrationError, CalibrationMismatch
 
 #: tokens each prediction reads: the token and the two before it (Gemma-3-270M's full-attention keys want the
-#: previous tokens as an induction head does; a fourth and fifth overfit, BENCHMARKS.md)
+#: previous tokens as an induction head does; a fourth and fifth overfit,
+#: docs/studies/token-prediction.md)
 LAGS = 3
 #: ridge penalty, as a share of the mean diagonal of the standardised Gram matrix
 RIDGE = 0.1

@@ -1,11 +1,12 @@
 """Checks and derivations of a :class:`~kvtc.calibration.artifact.Calibration` kept beside it: the validation of
-every tensor and plan against the layout and grouping, and the cut of a tensor-parallel rank's shard."""
+every tensor and plan against the layout and grouping, and the cut of a tensor-parallel rank's shard. The artifact
+imports this module, so ``cal`` is typed ``Any`` here and a shard is built by ``type(cal)``: no import back."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,13 +15,10 @@ from ..layout import KVLayout, PCAGrouping
 from ..textsafe import printable
 from .token_map import STD_FLOOR
 
-if TYPE_CHECKING:
-    from .artifact import Calibration
-
 KINDS = ("keys", "values")
 
 
-def validate(cal: Calibration) -> None:
+def validate(cal: Any) -> None:
     """Raise :class:`CalibrationError` unless every PCA, plan, query tensor and token map of ``cal`` fits its
     layout and grouping."""
     if set(cal.pcas) != set(KINDS):
@@ -202,11 +200,9 @@ def _refuse(source: Any, name: str, t: torch.Tensor, role: str) -> None:
     )
 
 
-def shard(cal: Calibration, heads: tuple[int, ...]) -> Calibration:
+def shard(cal: Any, heads: tuple[int, ...]) -> Any:
     """The calibration of a tensor-parallel rank holding ``heads``: only possible when every PCA group lies within
     the shard (``PCAGrouping("head_shards", n)``)."""
-    from .artifact import Calibration
-
     layout = cal.layout.shard(heads)
     sub_cols = {c for layer in layout.layers for h in layout.heads for c in cal.layout.pair_columns(layer, h)}
     keep = [g for g, cols in enumerate(cal.columns) if set(cols.tolist()) <= sub_cols]
@@ -217,7 +213,7 @@ def shard(cal: Calibration, heads: tuple[int, ...]) -> Calibration:
         )
     n = len(keep)
     grouping = PCAGrouping("head_shards", n) if n > 1 else PCAGrouping("global")
-    sub = Calibration(
+    sub = type(cal)(
         layout=layout,
         grouping=grouping,
         pcas={k: [cal.pcas[k][g] for g in keep] for k in KINDS},

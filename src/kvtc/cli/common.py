@@ -74,7 +74,7 @@ def check_out(path: Path | None, what: str) -> None:
 
 
 DEFAULT_MODEL = "default"
-#: what :func:`kvtc.calibration.load_calibration` resolves to the embedded model's calibration
+#: what :func:`kvtc.integrations.hf_calibrate.load_calibration` resolves to the embedded model's calibration
 DEFAULT_CALIBRATION = "default"
 
 

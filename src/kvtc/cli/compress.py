@@ -58,10 +58,10 @@ def add_compress(sub: Any) -> None:
 def run_compress(args: argparse.Namespace) -> int:
     import torch
 
-    from ..calibration import load_calibration
     from ..codec import Codec
     from ..fileio import write_atomic
     from ..integrations.hf import compress_cache, save_blob
+    from ..integrations.hf_calibrate import load_calibration
 
     # everything the user gave is checked before the model is loaded
     check_out(args.out, ".kvtc file")

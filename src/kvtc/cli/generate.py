@@ -34,9 +34,9 @@ def add_generate(sub: Any) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..calibration import load_calibration
     from ..codec import Codec
     from ..integrations.hf import load_blob, restore_cache
+    from ..integrations.hf_calibrate import load_calibration
 
     blob = info = recorded = cal = None
     if args.resume is not None:  # refuse a bad file before spending seconds on the model

@@ -7,9 +7,9 @@ a ridge regression fitted on the calibration corpus; calibrations of recipe r11 
 ``Calibration.queries``, which then stands in for every query). The queries of ``QUERY_POSITIONS`` of the slice's
 newest ``RECENT`` positions (whose keys the codec keeps exact) are predicted from their keys and rotated to their
 positions, and the softmax attention they give every token a layer holds (causal, within the layer's sliding
-window) is summed over the group's layers, heads and queries (BENCHMARKS.md "Gemma-3-270M: more bits for the tokens
-attention reads": ranking by mean queries lowered next-token KL by 25-45% at 16-32x, a random ranking made it worse;
-"Recipe r12": predicted queries lower it 3-4% more).
+window) is summed over the group's layers, heads and queries (docs/studies/token-importance.md:
+ranking by mean queries lowered next-token KL by 25-45% at 16-32x, a random ranking made it worse;
+docs/studies/history.md, "Recipe r12": predicted queries lower it 3-4% more).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Encode, per sequence: the ``sinks`` oldest and ``window`` newest tokens are stored raw; every other token
 ("middle") of keys and values is projected on its PCA group's basis (:class:`~kvtc.codec.transform.PCATransform`),
-quantized by the bit plan and packed into component-major planes (:class:`~kvtc.codec.quantizer.Quantizer`), and
-entropy coded into the container (:mod:`kvtc.codec.entropy`, :mod:`kvtc.codec.container`). Decode reverses it;
+quantized by the bit plan and packed into component-major planes (:class:`~kvtc.coding.quantizer.Quantizer`), and
+entropy coded into the container (:mod:`kvtc.coding.entropy`, :mod:`kvtc.codec.container`). Decode reverses it;
 :meth:`Codec.decode_layers` yields one layer at a time so an engine can start on layer 0 before the rest is
 reconstructed (on the GPU path: while the products are still running).
 
@@ -37,15 +37,15 @@ import torch
 
 from .. import kernels
 from ..calibration.artifact import KINDS, Calibration, ratio_key
+from ..coding.buffers import device_bytes, host_bytes, le_bytes
+from ..coding.clock import Clock, stage_clock
+from ..coding.entropy import DEFAULT_BACKEND, Int64s, Precoded, device_coder, encode_stream, get_backend
+from ..coding.packing import PACKINGS
+from ..coding.quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from ..errors import LayoutError
 from ..layout import KVSlice
 from . import attention, budget, container, gpu_write, info, ladder, prediction, spans, tiers
-from .buffers import device_bytes, host_bytes, le_bytes
-from .clock import Clock, stage_clock
 from .decoding import DIRECT_MIN_TOKENS, Decoding
-from .entropy import DEFAULT_BACKEND, Int64s, Precoded, device_coder, encode_stream, get_backend
-from .packing import PACKINGS
-from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from .tiers import resolve as resolve_tiers
 from .transform import PRECISIONS, PCATransform
 

@@ -35,19 +35,22 @@ above. Only such blobs are written as version 5.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..coding.buffers import Parts
+from ..coding.entropy import EntropyCoder, decode_stream, encode_stream
 from ..errors import FormatError, OutputBufferError
+from ..fileio import _open_regular
 from . import budget
-from .buffers import Parts
 from .crc import PIECE, crc32_combine, crc32_many, crc32_submit, default_pool
-from .entropy import EntropyCoder, decode_stream, encode_stream
 from .header import PAD_SECTION, Header, Section, parse_header  # Header, Section: part of the container's interface
 
 MAGIC = b"KVTC"
@@ -291,7 +294,7 @@ def read_sections(
     hints: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check CRCs and decode every section. ``expected_raw``: exact raw sizes the caller derived; ``hints``: the
-    model of each section a ``gauss`` stream may code (:class:`kvtc.codec.gaussian.Hint`, by name; a ``gauss``
+    model of each section a ``gauss`` stream may code (:class:`kvtc.coding.gaussian.Hint`, by name; a ``gauss``
     stream without one is refused).
 
     With ``coder`` (the GPU coder of entropy backend ``backend``), that backend's sections are decoded on its
@@ -333,3 +336,29 @@ def read_sections(
         if s.name not in out:
             out[s.name] = decode_stream(bytes(chunks[i]), s.backend, s.raw, (hints or {}).get(s.name))
     return {s.name: out[s.name] for s in header.sections}
+
+
+def read_blob(path: str | os.PathLike[str]) -> bytes:
+    """A ``.kvtc`` file's bytes: opened only if it is a regular file; its prefix and header are read and
+    validated first, and the rest only if the header accounts for exactly the file's size."""
+    path = Path(path)
+    with _open_regular(path, "a .kvtc file", FormatError) as (f, size):
+        head = f.read(PREFIX.size)
+        if len(head) == PREFIX.size:
+            hlen = PREFIX.unpack(head)[3]
+            if hlen <= MAX_HEADER_BYTES:
+                head += f.read(hlen)
+        try:
+            header, body = read_header(head, partial=True)
+        except FormatError as e:
+            raise FormatError(f"{path}: {e}") from None
+        need = body + sum(s.coded for s in header.sections)
+        if need != size:
+            raise FormatError(
+                f"{path}: the file holds {size} bytes, its header accounts for {need} (truncated or extended)"
+            )
+        f.seek(0)  # one read of the whole file: no second copy of a body that may be gigabytes
+        data = f.read(size + 1)
+        if len(data) != size:
+            raise FormatError(f"{path} changed size while being read; read it again")
+        return data

@@ -2,7 +2,7 @@
 
 ``zlib.crc32`` runs on one core; a blob of hundreds of MB would spend most of a GPU restore's time in it.
 :func:`crc32_many` cuts buffers into pieces, checksums them on a thread pool (zlib releases the GIL) and
-joins the pieces' CRCs with :func:`crc32_combine` (GF(2) polynomial arithmetic, as zlib's ``crc32_combine``:
+joins the pieces' CRCs with :func:`crc32_combine` (GF(2) polynomial arithmetic, :mod:`kvtc.crc_algebra`, as zlib's ``crc32_combine``:
 ``crc(A‖B) = crc(A)·x^(8·len B) mod P  ⊕  crc(B)``). The result is the ordinary CRC-32 of the whole buffer.
 """
 
@@ -14,73 +14,15 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-import numpy as np
+from ..crc_algebra import _multmodp, _shift, chunk_powers
 
-_POLY = 0xEDB88320  # reflected CRC-32 polynomial
 #: buffers at least this large are checksummed in pieces of this size
 PIECE = 8 << 20
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a·b mod P for reflected 32-bit polynomials."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-@functools.cache
-def _x2n(k: int) -> int:
-    """x^(2^k) mod P."""
-    return 1 << 30 if k == 0 else _multmodp(_x2n(k - 1), _x2n(k - 1))
-
-
-@functools.lru_cache(maxsize=1024)
-def _shift(nbytes: int) -> int:
-    """x^(8·nbytes) mod P."""
-    p, k, n = 1 << 31, 3, nbytes
-    while n:
-        if n & 1:
-            p = _multmodp(_x2n(k), p)
-        n >>= 1
-        k += 1
-    return p
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``A‖B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
     return _multmodp(_shift(len2), crc1) ^ crc2
-
-
-def _multmodp_vec(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
-    """:func:`_multmodp` of every element (int64 arrays holding 32-bit values)."""
-    b = np.broadcast_to(np.asarray(b, dtype=np.int64), a.shape).copy()
-    p = np.zeros_like(a)
-    for k in range(32):
-        p ^= np.where((a >> (31 - k)) & 1, b, 0)
-        b = np.where(b & 1, (b >> 1) ^ _POLY, b >> 1)
-    return p
-
-
-def chunk_powers(chunk: int, size: int) -> np.ndarray:
-    """int64 ``[size]``: x^(8·chunk·j) mod P for j = 0..size-1 (the weight of a chunk followed by j others of
-    ``chunk`` bytes in a CRC of their concatenation), built by doubling."""
-    out = np.zeros(max(size, 1), dtype=np.int64)
-    out[0] = 1 << 31  # x^0
-    have = 1
-    step = _shift(chunk)  # x^(8·chunk·have), have = 1
-    while have < size:
-        n = min(have, size - have)
-        out[have : have + n] = _multmodp_vec(out[:n], step)
-        step = _multmodp(step, step)
-        have += n
-    return out[:size]
 
 
 @functools.lru_cache(maxsize=1)

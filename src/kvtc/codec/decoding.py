@@ -13,15 +13,15 @@ from typing import Any
 import torch
 
 from ..calibration.artifact import KINDS
+from ..coding.buffers import MIN_CHUNK_ROWS, Scratch, chunk_bytes, chunk_rows, row_chunks, section_tensor, section_view
+from ..coding.clock import Clock, stage_clock
+from ..coding.entropy import device_coder
+from ..coding.quantizer import PlanLayout, plan_layouts
 from ..errors import CalibrationMismatch, FormatError
 from ..layout import DTYPES, KVSlice
 from ..textsafe import printable
 from . import budget, container, gpu_decode, ladder, prediction, spans, tiers
-from .buffers import MIN_CHUNK_ROWS, Scratch, chunk_bytes, chunk_rows, row_chunks, section_tensor, section_view
-from .clock import Clock, stage_clock
-from .entropy import device_coder
 from .gpu_decode import DIRECT_MIN_TOKENS
-from .quantizer import PlanLayout, plan_layouts
 
 
 class Decoding:
@@ -108,7 +108,7 @@ class Decoding:
 
     def _expected_sections(self, h: container.Header, hints: dict[str, Any] | None = None) -> dict[str, int]:
         """Each section's exact raw size, from the header and the calibration; ``hints`` receives each fixed-step
-        plane's ``gauss`` model (:class:`kvtc.codec.gaussian.Hint`)."""
+        plane's ``gauss`` model (:class:`kvtc.coding.gaussian.Hint`)."""
         exp = {"positions": 8 * h.batch * h.tokens}
         if h.predicted:
             exp[prediction.SECTION] = 4 * h.batch * h.tokens
@@ -163,7 +163,7 @@ class Decoding:
         codec copy the coded streams to the device without staging).
 
         Memory: besides the result, a CPU decode holds the blob's decoded sections (dropping each kind's once its
-        tokens are written) and a few times :data:`~kvtc.codec.buffers.CHUNK_BYTES` of intermediates: the middle
+        tokens are written) and a few times :data:`~kvtc.coding.buffers.CHUNK_BYTES` of intermediates: the middle
         tokens are reconstructed in chunks of rows, straight into the result."""
         predicted = self._predicted(blob)
         if predicted is not None:
@@ -241,9 +241,9 @@ class Decoding:
         self, kind: str, header: container.Header, secs: dict[str, Any], clock: Clock, full: torch.Tensor
     ) -> None:
         """Reconstruct each PCA group's middle rows of ``kind`` into ``full [B, T, L, H, D]``, a chunk of rows at a
-        time (:func:`~kvtc.codec.buffers.chunk_rows`: about :data:`~kvtc.codec.buffers.CHUNK_BYTES` of float32;
+        time (:func:`~kvtc.coding.buffers.chunk_rows`: about :data:`~kvtc.coding.buffers.CHUNK_BYTES` of float32;
         the fused GPU path multiplies each plan's rows at once and writes them out in such chunks). Each product
-        spans at least :data:`~kvtc.codec.buffers.MIN_CHUNK_ROWS` rows: every row gets the bits one product gives
+        spans at least :data:`~kvtc.coding.buffers.MIN_CHUNK_ROWS` rows: every row gets the bits one product gives
         it."""
         B = header.batch
         F = header.layout.num_features
@@ -293,7 +293,7 @@ class Decoding:
         """Group ``g``'s ``n`` coded rows as ``(rows, coefficients, components, count)`` per plan that codes any:
         ``rows`` None for one plan (every row, in order), else the bool mask ``[n]`` of the rows a tier or rung
         codes (its rows in token order); ``coefficients(r0, r1)``: rows ``[r0, r1)`` of its ``count``
-        (:meth:`~kvtc.codec.quantizer.Quantizer.rows`; ``chunk``: the bytes of coefficients asked for at once;
+        (:meth:`~kvtc.coding.quantizer.Quantizer.rows`; ``chunk``: the bytes of coefficients asked for at once;
         ``work``: the buffers the parts share, so a part's coefficients last until any part is asked again)."""
         tr, q = self._transform, self._quantizer
 

@@ -8,8 +8,8 @@ Each phase's coded words go to the device on a copy stream, straight from the pi
 unpack+dequantize are queued on a "prep" stream behind them, and the products on the caller's stream behind those.
 The host parses a phase's streams while the device works on the previous one, and the prep stream's short kernels
 run beside the previous phase's product (staging the keys in two parts, the first components' product starting
-while the rest are still copied, gained nothing on an H200: the products alone fill the time, BENCHMARKS.md "GPU
-codec"). Nothing waits for the device in between: the
+while the rest are still copied, gained nothing on an H200: the products alone fill the time,
+docs/studies/restore-gemm.md). Nothing waits for the device in between: the
 entropy decoder raises a device flag on a corrupt block, and the CRC-32 of every section runs on host threads
 meanwhile (started once the first phase is queued, so that they do not compete with its parsing); both are checked
 before anything is returned (:meth:`Codec.decode`) or yielded (:meth:`Codec.decode_layers`, which queues the same
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 
 from ..calibration.artifact import KINDS
+from ..coding.buffers import section_tensor
+from ..coding.entropy import decode_stream, device_coder
+from ..coding.huffman import NAME
+from ..coding.quantizer import PlanLayout, plan_layouts
 from ..errors import FormatError
 from ..layout import DTYPES, KVSlice
 from . import container, crc
-from .buffers import section_tensor
-from .entropy import decode_stream, device_coder
-from .huffman import NAME
-from .quantizer import PlanLayout, plan_layouts
 
 #: a sequence's middle tokens are written straight into the output when it has at least this many
 DIRECT_MIN_TOKENS = 512

@@ -7,7 +7,7 @@ and a second full copy into the blob. Here the CRC-32 of each coded stream is co
 (:mod:`kvtc.kernels.triton_crc`) while it is still there, so the header is known first and each stream's words
 are copied once, from the device into the output at their final offset (the caller's pinned buffer for
 ``encode(kv, out=...)``). A ``bytes`` result is written the same way into a reused pinned buffer and then copied
-once, on host threads, into a new ``bytes`` object (:func:`kvtc.codec.buffers.new_bytes`). The bytes written are
+once, on host threads, into a new ``bytes`` object (:func:`kvtc.coding.buffers.new_bytes`). The bytes written are
 those of :func:`~kvtc.codec.container.write` for the same streams (``tests/test_gpu.py`` compares them).
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..coding.buffers import PinnedScratch, host_bytes, new_bytes
+from ..coding.entropy import encode_stream
 from . import container
-from .buffers import PinnedScratch, host_bytes, new_bytes
 from .crc import crc32_combine, crc32_many
-from .entropy import encode_stream
 
 _LOCAL = threading.local()
 

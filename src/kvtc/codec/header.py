@@ -9,10 +9,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..coding.packing import PACKINGS
 from ..errors import FormatError, LayoutError
 from ..layout import MAX_TOKENS, KVLayout, Span
 from ..textsafe import printable
-from .packing import PACKINGS
 
 #: most plans a rate-ladder blob may name (its rung indices are bytes)
 MAX_RUNGS = 16

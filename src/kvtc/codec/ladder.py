@@ -12,23 +12,23 @@ allocated together (:func:`allocate`) so that they store what the target's plans
 measured on the CPU and the price raised where it is over. Sections, per kind and group: ``rungs.{kind}.{g}`` (a
 byte per middle token), then ``{kind}.{g}.params`` and ``{kind}.{g}.{type}``, each holding every rung's rows, rung
 after rung (the header's ``rung_counts`` size each part: :func:`pieces`).
+
+``codec`` is the :class:`~kvtc.codec.Codec` that calls this module; :mod:`kvtc.codec.codec` imports this one, so it
+is typed ``Any`` here (no import back).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..calibration.artifact import KINDS
+from ..coding.clock import Clock
+from ..coding.entropy import Modeled, Precoded, encode_stream
+from ..coding.quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
 from ..errors import FormatError
 from . import container, tiers
-from .clock import Clock
-from .entropy import Modeled, Precoded, encode_stream
-from .quantizer import CODED_TYPES, PlanLayout, Quantizer, plan_layouts
-
-if TYPE_CHECKING:
-    from .codec import Codec
 
 #: one kind and group's rows waiting for their rungs: (group, kind, coefficients ``[n, kmax]``, rung layouts,
 #: float64 errors ``[n, rungs]``, float64 bytes of a row under each rung ``[rungs]``, goal in bytes)
@@ -36,7 +36,7 @@ Unit = tuple[int, str, torch.Tensor, list[PlanLayout], torch.Tensor, torch.Tenso
 
 
 def encode(
-    codec: Codec,
+    codec: Any,
     group_rows: dict[str, list[torch.Tensor | None]],
     middles: list[tuple[int, int]],
     mass: torch.Tensor,
@@ -97,7 +97,7 @@ def encode(
 
 
 def allocate(
-    codec: Codec, todo: list[Unit], clock: Clock
+    codec: Any, todo: list[Unit], clock: Clock
 ) -> dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]]:
     """``{(group, kind): (rungs, sections)}`` of the kinds and groups in ``todo`` (:data:`Unit`), at one price:
     their rows store their goals together, the rung indices (:data:`kvtc.codec.tiers.INDEX_BITS`) included; on the
@@ -128,7 +128,7 @@ def allocate(
 
 
 def sections(
-    codec: Codec, kind: str, g: int, coeffs: torch.Tensor, idx: torch.Tensor, pls: list[PlanLayout], clock: Clock
+    codec: Any, kind: str, g: int, coeffs: torch.Tensor, idx: torch.Tensor, pls: list[PlanLayout], clock: Clock
 ) -> list[tuple[str, Any]]:
     """Group ``g``'s sections for the rungs ``idx`` (int64 ``[n]`` CPU): the indices, then each name's rung
     sections back to back."""
@@ -145,7 +145,7 @@ def sections(
     return out
 
 
-def measured(codec: Codec, secs: list[tuple[str, Any]], clock: Clock) -> list[tuple[str, Precoded]] | None:
+def measured(codec: Any, secs: list[tuple[str, Any]], clock: Clock) -> list[tuple[str, Precoded]] | None:
     """Host sections entropy coded now (their stored size), or None for device ones (the GPU's coder codes
     them with the rest of the blob)."""
     if any(isinstance(d, torch.Tensor) for _, d in secs):
@@ -159,7 +159,7 @@ def measured(codec: Codec, secs: list[tuple[str, Any]], clock: Clock) -> list[tu
 
 
 def errors(
-    codec: Codec,
+    codec: Any,
     kind: str,
     g: int,
     coeffs: torch.Tensor,
@@ -218,7 +218,7 @@ def expected(
 ) -> dict[str, int]:
     """``exp`` (the sections every blob has, name -> raw bytes) plus a rate-ladder blob's own, after checking its
     rung counts against the groups (:class:`~kvtc.errors.FormatError` where they disagree); ``hints`` receives
-    each fixed-step plane's ``gauss`` model (:class:`kvtc.codec.gaussian.Hint`, every rung's rows in turn)."""
+    each fixed-step plane's ``gauss`` model (:class:`kvtc.coding.gaussian.Hint`, every rung's rows in turn)."""
     assert h.rungs is not None and h.rung_counts is not None
     for kind in KINDS:
         counts = h.rung_counts[kind]

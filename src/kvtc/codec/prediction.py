@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from ..calibration.token_map import TokenMap
+from ..coding.buffers import MIN_CHUNK_ROWS, Scratch, chunk_bytes, chunk_rows, row_chunks
+from ..coding.entropy import decode_stream
 from ..errors import CalibrationError, FormatError
 from ..layout import KVSlice
 from . import container
 from .budget import decoded_output_bytes
-from .buffers import MIN_CHUNK_ROWS, Scratch, chunk_bytes, chunk_rows, row_chunks
-from .entropy import decode_stream
 from .header import Header
 
 #: the section holding the token ids
@@ -96,8 +96,8 @@ def shift(
     """``kv`` with ``sign`` times the prediction added to each layer's coded tokens (new tensors, same dtype;
     ``inplace``: added into ``kv``'s own tensors, for a caller that owns them, such as a decode). The prediction is
     computed a chunk of a span's tokens at a time (:func:`feature_chunks`, chunks of
-    :func:`~kvtc.codec.buffers.chunk_bytes` of the decode), each chunk's product over at least
-    :data:`~kvtc.codec.buffers.MIN_CHUNK_ROWS` rows: the same bits as one product."""
+    :func:`~kvtc.coding.buffers.chunk_bytes` of the decode), each chunk's product over at least
+    :data:`~kvtc.coding.buffers.MIN_CHUNK_ROWS` rows: the same bits as one product."""
     lay = header.layout
     dev = kv.keys.device
     check_vocabulary(token_map, emb, ids, dev)
@@ -174,7 +174,7 @@ def feature_chunks(
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(t0, t1, features of tokens [t0, t1))`` over tokens ``[a, b)`` of ``ids [B, T]``, in chunks whose float32
     predictions of ``columns`` features take about ``chunk`` bytes (default
-    :data:`~kvtc.codec.buffers.CHUNK_BYTES`; at least :data:`~kvtc.codec.buffers.MIN_CHUNK_ROWS` rows, or all):
+    :data:`~kvtc.coding.buffers.CHUNK_BYTES`; at least :data:`~kvtc.coding.buffers.MIN_CHUNK_ROWS` rows, or all):
     each token's features are those :meth:`TokenMap.features` gives it among all the ids (its lags read from the
     tokens before the chunk)."""
     B = ids.shape[0]

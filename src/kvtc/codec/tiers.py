@@ -9,8 +9,8 @@ tiers are ``high = target/2`` and ``low = 3·target/2`` (a share of a quarter). 
 (its plan's predicted relative error at least ``LOSSY_ERROR``: Gemma-3-270M from 24x, SmolLM2-135M not up to 64x;
 without that figure, from 24x) concentrating the bits pays: the high tier is no coarser than 12x (or a quarter of the target, if
 coarser), the low tier costs almost nothing (six times the target, at most 192x, the ladder's cheapest plan): 24x
-codes 12x/144x, 32x 12x/192x, 48x 12x/192x, 64x 16x/192x. Measured on text the eval does not read (BENCHMARKS.md
-"which tier targets a token-adaptive blob should use"): against halving and tripling the target, 3-7% lower
+codes 12x/144x, 32x 12x/192x, 48x 12x/192x, 64x 16x/192x. Measured on text the eval does not read
+(docs/studies/tier-pairs.md): against halving and tripling the target, 3-7% lower
 next-token KL at 24x and 32x, 25% at 48x, 11% at 64x on Gemma-3-270M; below 24x there, and at 24x to 64x on
 SmolLM2-135M, a cheap low tier does worse (SmolLM2 32x: 12x/192x twice the KL of 16x/48x). Calibrations without
 those plans fall back to ``target/2`` and ``3·target``, then ``target/2`` and ``3·target/2``.
@@ -67,17 +67,17 @@ LADDER_ERRORS = "diagonal"
 #: the price the rungs are chosen at: "all" (one Lagrange price for the whole blob: every kind and PCA group together
 #: store what the target's plans store for them, each byte where it lowers the weighted error most), "group" (one per
 #: PCA group, keys and values together) or "kind" (one per kind and group: each stores what its plan stores, the
-#: calibration's split between keys and values); measured on text the eval does not read, BENCHMARKS.md "Rate
-#: ladder: one price"
+#: calibration's split between keys and values); measured on text the eval does not read,
+#: docs/studies/rate-ladder.md ("one price")
 LADDER_PRICE = "all"
 #: the units the errors of different kinds and groups are compared in under one price: "relative" (each over its
 #: kind's energy, values times :data:`LADDER_VALUE_WEIGHT`) or "weighted" (the calibration's sensitivity-weighted
 #: squared error as it is)
 LADDER_UNITS = "relative"
 #: in "relative" units, what a value's error counts for against a key's: 1 (measured on text the eval does not read,
-#: BENCHMARKS.md "each kind's units": against the calibration's value weight of 2, 4-15% lower next-token KL at 11 of
-#: 12 points of both models, the one exception +6%), or None for the calibration's recorded ``value_weight`` (its
-#: rule for splitting a ratio's bits between keys and values, where each plan's bytes are fixed)
+#: docs/studies/rate-ladder.md, "each kind's units": against the calibration's value weight of 2, 4-15% lower
+#: next-token KL at 11 of 12 points of both models, the one exception +6%), or None for the calibration's recorded
+#: ``value_weight`` (its rule for splitting a ratio's bits between keys and values, where each plan's bytes are fixed)
 LADDER_VALUE_WEIGHT: float | None = 1.0
 #: encodes of a group's rows at most: after each, the coded size is measured and the budget scaled if it is over
 LADDER_PASSES = 3
@@ -226,7 +226,7 @@ def ladder_weights(mass: torch.Tensor, power: float = LADDER_POWER) -> torch.Ten
     """float32 ``[B·m, Lg]``: the weight of each middle token's error in each of a group's ``Lg`` layers, from the
     attention ``mass`` ``[B, Lg, m]`` it receives there: its mass over the layer's mean in its sequence, raised to
     ``power`` (an error in a token costs next-token loss about in proportion to the square of the attention it gets:
-    BENCHMARKS.md "Rate ladder")."""
+    docs/studies/rate-ladder.md)."""
     m = mass.double()
     w = (m / m.mean(2, keepdim=True).clamp_min(1e-30)) ** power
     return w.permute(0, 2, 1).reshape(-1, mass.shape[1]).float()

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 import torch
 
 from ..calibration.artifact import Calibration
+from ..coding.buffers import align
 from ..quant import FP8_MAX
-from .buffers import align
 
 #: projection arithmetic on CUDA (see the module docstring)
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -72,7 +72,7 @@ class PCATransform:
     def fp8_basis(self, kind: str, g: int, k: int, transposed: bool) -> Basis:
         """The first ``k`` basis rows, their scales folded in (see the module docstring), in E4M3 with their
         scales, padded with zero rows to a multiple of :data:`FP8_ALIGN` components (fp8 matmuls need 16; on the
-        H200 a count that is 16 mod 32 runs ~30% slower, ``benchmarks/fp8_alignment.py``). ``transposed=False``
+        H200 a count that is 16 mod 32 runs ~30% slower, docs/studies/fp8-alignment.md). ``transposed=False``
         (projection): rows times each feature's spread ``d``, ``[p, k16]`` column-major with per-component
         scales ``[1, k16]``; ``True`` (reconstruction): rows times each component's ``σ``, ``[k16, p]``
         column-major with per-feature scales ``[1, p]``."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import __version__, assets
-from ..calibration import Calibration, Recipe, fit_calibration, load_calibration
+from ..calibration import Calibration, Recipe, fit_calibration
 from ..calibration.load import DEFAULT_CALIBRATION
 from ..calibration.recipe import RECIPES, UNWEIGHTED_RECIPE
 from ..layout import PCAGrouping
@@ -57,7 +57,7 @@ def _texts(names: Sequence[str]) -> list[str]:
 
 
 def _load_calibration(cfg: EvalConfig) -> tuple[Calibration, str]:
-    from ..integrations.hf_calibrate import default_calibration_path
+    from ..integrations.hf_calibrate import default_calibration_path, load_calibration
 
     embedded = assets.embedded_model(cfg.model)
     if cfg.calibration:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 
 from ..calibration import Calibration, fit_calibration
 from ..calibration.fit import sensitivity_scales
+from ..calibration.load import DEFAULT_CALIBRATION, embedded_model_key, open_calibration
 from ..calibration.recipe import (
     DEFAULT_RECIPE,
     DEFAULT_SAMPLING,
@@ -41,6 +43,7 @@ from ..calibration.token_map import TokenMap
 from ..codec import DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import CalibrationError
 from ..layout import KVSlice
+from ..lazy import moved_attributes
 from ..progress import StageTimer
 from ..progress import bar as progress_bar
 from .hf import describe_model, extract_slice, rebuild_cache
@@ -63,6 +66,7 @@ __all__ = [
     "fit_token_map",
     "default_calibration",
     "default_calibration_path",
+    "load_calibration",
     "measure_sensitivity",
     "token_windows",
 ]
@@ -408,6 +412,31 @@ def default_calibration_path(recipe: Recipe = Recipe(), model: str = "smollm2") 
     return assets.cache_dir() / "calibrations" / f"{embedded.key}-sotu-pre2000-{recipe.tokens}-{name}.safetensors"
 
 
+def load_calibration(
+    source: Calibration | str | os.PathLike[str], model: Any = None, progress: bool = True
+) -> Calibration:
+    """The calibration ``source`` names: a :class:`Calibration` (returned as is), a calibration file's path, or
+    ``"default"``: the embedded model's own (the ``r13`` recipe, built on first use and cached, one file per
+    embedded model; see :func:`default_calibration`).
+
+    ``model`` (optional) names the model it is for (hub id, local directory, ``"default"`` or an embedded model's
+    name such as ``"gemma3"``; None is the default SmolLM2): ``"default"`` is refused for any model but an embedded
+    one. Raises :class:`CalibrationError` for a missing, corrupt or foreign file.
+    """
+    if isinstance(source, str) and source == DEFAULT_CALIBRATION:
+        key = embedded_model_key("default" if model is None else model)
+        if key is None:
+            from ..assets import EMBEDDED_MODELS
+
+            embedded = ", ".join(m.key for m in EMBEDDED_MODELS)
+            raise CalibrationError(
+                f"default calibrations are the embedded models' ({embedded}), not {model}'s; pass a calibration file "
+                "made for that model (`kvtc calibrate --model ... --out FILE`, then --calibration FILE)"
+            )
+        return Calibration.load(default_calibration(progress=progress, model=key))
+    return open_calibration(source)
+
+
 def _embedded(model: str) -> Any:
     """The embedded model ``model`` names; a :class:`CalibrationError` for any other model."""
     from .. import assets
@@ -420,3 +449,7 @@ def _embedded(model: str) -> Any:
             "(or calibrate_model) and pass the file"
         )
     return embedded
+
+
+#: names that lived here before: each resolves, with a DeprecationWarning, for one release
+__getattr__ = moved_attributes(__name__, {"check_model": "kvtc.integrations.hf"})

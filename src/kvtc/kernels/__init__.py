@@ -2,7 +2,7 @@
 
 Imported lazily: a CPU-only install never imports Triton. :func:`available` says whether the fused path
 can run on a tensor's device; the codec uses it for CUDA tensors and keeps the torch reference
-(:mod:`kvtc.quant`, :mod:`kvtc.codec.packing`) everywhere else. The kernels compute exactly what the
+(:mod:`kvtc.quant`, :mod:`kvtc.coding.packing`) everywhere else. The kernels compute exactly what the
 reference computes (tests/test_gpu.py checks symbols and parameters bit for bit).
 """
 

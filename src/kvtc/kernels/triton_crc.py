@@ -92,7 +92,7 @@ _CACHE: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _device_tables(device: torch.device, nchunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the lookup tables, x^(8·CHUNK·j) mod P for j < at least ``nchunks``) on ``device``, grown as needed."""
-    from ..codec.crc import chunk_powers
+    from ..crc_algebra import chunk_powers
 
     key = str(device)
     got = _CACHE.get(key)

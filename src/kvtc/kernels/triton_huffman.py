@@ -1,4 +1,4 @@
-"""Triton kernels of the ``huff4k`` entropy backend (format: :mod:`kvtc.codec.huffman`, docs/FORMAT.md).
+"""Triton kernels of the ``huff4k`` entropy backend (format: :mod:`kvtc.coding.huffman`, docs/FORMAT.md).
 
 Every 4 KiB block is coded independently from a 32-bit word boundary, so one GPU thread (a "lane") codes or
 decodes one whole block, sequentially; a program holds ``lanes`` lanes. Streams with different code tables

@@ -1,7 +1,7 @@
 """Fused Triton kernels: quantize + pack, and unpack + dequantize, of one plan bucket.
 
 They compute exactly what :func:`kvtc.quant.quantize` / :func:`kvtc.quant.dequantize` followed by
-:func:`kvtc.codec.packing.pack` / :func:`kvtc.codec.packing.unpack` compute (those CPU functions are the
+:func:`kvtc.coding.packing.pack` / :func:`kvtc.coding.packing.unpack` compute (those CPU functions are the
 oracle; ``tests/test_gpu.py`` compares bit for bit): the same fp16 rounding of shift and scale (scale
 rounded upwards), correctly rounded divisions, round-half-to-even, fp8 E4M3 with saturation, and an
 unfused multiply then add on decode.

@@ -38,10 +38,10 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 
 from ...calibration.artifact import Calibration, ratio_key
-from ...calibration.load import load_calibration
+from ...calibration.load import open_calibration
 from ...codec import Codec, container
 from ...errors import CalibrationError, CalibrationMismatch, LayoutError
-from ...fileio import read_blob, write_atomic
+from ...fileio import write_atomic
 from ...layout import DTYPES
 from .adapter import adapter_for
 
@@ -80,7 +80,7 @@ def compress_cache(
                 "compress_cache needs a codec or a calibration; pass calibration=<file or Calibration> "
                 "(the embedded default: kvtc.integrations.hf_calibrate.default_calibration())"
             )
-        codec = Codec(load_calibration(calibration), ratio=ratio)
+        codec = Codec(open_calibration(calibration), ratio=ratio)
     elif calibration is not None:
         raise CalibrationError("pass either codec= or calibration=, not both")
     adapter = adapter_for(model)
@@ -131,7 +131,7 @@ def restore_cache(
                 f"this blob was encoded with calibration {header.calibration[:16]}; "  # type: ignore[index]
                 "pass calibration=<that calibration file>"
             )
-        cal = load_calibration(calibration)
+        cal = open_calibration(calibration)
         adapter.check(cal)
         if header.calibration != cal.hash:
             raise CalibrationMismatch(
@@ -162,7 +162,7 @@ def save_blob(path: str | os.PathLike[str], blob: bytes) -> Path:
 def load_blob(path: str | os.PathLike[str]) -> bytes:
     """The bytes of a ``.kvtc`` file, with its container header validated (sections are checked on decode).
     Only a regular file is opened (never a FIFO or a device), and its header is read and checked before the rest."""
-    return read_blob(path)
+    return container.read_blob(path)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ...errors import UnsupportedModel
+from ...layout import KVLayout
+from ...rope import RopeSpec
 from .rope_probe import text_config
-
-if TYPE_CHECKING:
-    from .adapter import ModelAdapter
 
 #: the position :func:`check_rotation` runs its one token at (below any dynamic / long-context scaling threshold)
 ROTATION_CHECK_POSITION = 37
@@ -31,7 +30,15 @@ _ROTATION_CHECKED: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
 _ROTATION_CHECKING: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
 
 
-def check_rotation(model: PreTrainedModel, adapter: ModelAdapter) -> None:
+class LayoutAndRope(Protocol):
+    """What :func:`check_rotation` reads of a :class:`~kvtc.integrations.hf.adapter.ModelAdapter` (which imports
+    this module): the model's KV layout and RoPE spec."""
+
+    layout: KVLayout
+    rope: RopeSpec
+
+
+def check_rotation(model: PreTrainedModel, adapter: LayoutAndRope) -> None:
     """Refuse a model whose layers rotate their keys otherwise than the adapter's :class:`~kvtc.rope.RopeSpec`
     (read from the config) says: once per model object, two forward passes of one token.
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 CONNECTOR_NAME = "KVTCConnector"
 CONNECTOR_MODULE = "kvtc.integrations.vllm.connector"
+#: where the connector's settings come from (vLLM's ``kv_transfer_config`` key), named in every refusal of one
+WHERE = "kv_connector_extra_config"
 
 
 def register() -> None:
@@ -28,4 +30,4 @@ def register() -> None:
         pass  # plugins load once per process, but more than one process may share an interpreter
 
 
-__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "register"]
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "WHERE", "register"]

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from ...errors import ConfigError, StoreError
 from ...store import Store, open_store
 from ...textsafe import message
+from . import WHERE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,7 +34,6 @@ DEFAULT_SINKS = 4
 CODECS = ("kvtc", "identity")
 #: The keys ``kv_connector_extra_config`` may hold.
 KEYS = ("codec", "calibration", "ratio", "store", "chunk_tokens", "sinks")
-WHERE = "kv_connector_extra_config"
 
 
 def _refuse(key: str, value: Any, problem: str, fix: str) -> ConfigError:

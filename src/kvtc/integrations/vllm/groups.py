@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError
-from .config import WHERE
+from . import WHERE
 from .paged import NULL_BLOCK
 
 
