@@ -280,10 +280,16 @@ def render(result: dict[str, Any]) -> str:
     lines = [START, "### Hostile-input campaigns", "", *rows, ""]
     if notes:
         lines += [textwrap.fill("Notes: " + "; ".join(notes) + ".", 120), ""]
+    if result.get("parts"):  # merged: several runs, one after another (their commands below)
+        how = f"{len(result['parts'])} runs, one command each, {result['seconds']:,.0f} s of wall time in all"
+    else:
+        how = (
+            f"wall time {result['seconds']:,.0f} s (container in "
+            f"{result['campaigns'].get('container', {}).get('processes', 0)} processes, calibration in "
+            f"{result['campaigns'].get('calibration', {}).get('processes', 1)}, the others one process each, all at once)"
+        )
     text = [
-        f"Date {result['date']}; machine: {result['machine']}; wall time {result['seconds']:,.0f} s "
-        f"(container in {result['campaigns'].get('container', {}).get('processes', 0)} processes, calibration in "
-        f"{result['campaigns'].get('calibration', {}).get('processes', 1)}, the others one process each, all at once).",
+        f"Date {result['date']}; machine: {result['machine']}; {how}.",
         "Versions: " + ", ".join(f"{k} {v[k]}" for k in sorted(v)) + ".",
         f"Command: `{result['command']}`. Limits: container and calibration 1 s per entry point (the container's "
         "allocation bounded by its header), store 10 s per operation, CLI "
