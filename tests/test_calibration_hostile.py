@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from kvtc.calibration import Calibration
+from kvtc.calibration.meta import HALF_BASIS_VERSION
 from kvtc.errors import CalibrationError
 
 FIX = Path(__file__).parent / "fixtures" / "calibration.safetensors"
@@ -483,7 +484,11 @@ def _hostile_copy(name: str, index: int, value: float) -> tuple[Calibration, tor
 def test_the_rich_calibration_round_trips():
     assert set(CHECKED) >= {"keys.0.scale", "tokens.std", "queries.scale", "queries.map", "tokens.keys"}
     for cal in (Calibration.from_bytes(RICH_BYTES), Calibration.load(RICH.save(_TMP / "rich.safetensors"))):
-        assert cal.hash == RICH.hash and cal.version == 9
+        assert cal.hash == RICH.hash and cal.version == HALF_BASIS_VERSION
+    # with float32 bases (as a file of version 9 holds them) it is written as version 9 and read back as such
+    wide = dataclasses.replace(RICH, basis_dtype=torch.float32)
+    back = Calibration.from_bytes(wide.to_bytes())
+    assert back.hash == wide.hash != RICH.hash and back.version == 9 and back.basis_dtype == torch.float32
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -509,10 +514,12 @@ def test_a_weighted_coder_basis_that_overflows_is_refused(kind, part, index):
     pca = cal.pcas[kind][0]
     target = getattr(pca, part)
     feature = index % pca.mean.numel()
-    pca.scale[feature] = 0.75  # mean / scale and basis / scale overflow
     if part == "basis":
-        target[index % target.shape[0], feature] = F32_MAX
+        # the basis is float16: its largest value over a normal float32 scale overflows basis / scale
+        pca.scale[feature] = 1e-36
+        target[index % target.shape[0], feature] = torch.finfo(target.dtype).max
     else:
+        pca.scale[feature] = 0.75  # mean / scale overflows
         target[feature] = F32_MAX
     cal.hash = cal._compute_hash()
     _both_refuse(cal.to_bytes(), match=re.escape(f"{kind}.0") + ".*overflows float32.*rebuild the calibration")
@@ -583,14 +590,14 @@ def test_the_fit_writes_no_denormal_eigenvalue():
 
 
 def test_checking_the_tensors_is_cheap_on_a_large_calibration():
-    # a 5,760-wide weighted group (SmolLM2's feature count): two bases of 133 MB each
+    # a 5,760-wide weighted group (SmolLM2's feature count): two float16 bases of 66 MB each
     from kvtc.calibration.validation import check_tensors
 
     p = 5760
     g = torch.Generator().manual_seed(0)
     tensors = {}
     for kind in ("keys", "values"):
-        tensors[f"{kind}.0.basis"] = torch.empty(p, p).uniform_(-1, 1, generator=g)
+        tensors[f"{kind}.0.basis"] = torch.empty(p, p).uniform_(-1, 1, generator=g).half()
         tensors[f"{kind}.0.mean"] = torch.randn(p, generator=g)
         tensors[f"{kind}.0.eigenvalues"] = torch.rand(p, generator=g)
         tensors[f"{kind}.0.scale"] = torch.rand(p, generator=g) + 0.5

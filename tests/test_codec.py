@@ -81,7 +81,7 @@ def test_every_type_matches_the_float64_reference_and_counts_its_params(setup, q
     clips = tuple([1.0] * 3 + ([0.625, 0.4375, 0.625] if clippable(qtype, 16) else [1.0] * 3))
     if fixed_step(qtype):  # a fixed-step group's value is its step: fine to coarse against the keys' spread
         pca = cal.pcas["keys"][0]
-        sd = ((ks.rows(300) - pca.mean) @ pca.basis.T).std(0)
+        sd = ((ks.rows(300) - pca.mean) @ pca.basis.float().T).std(0)
         starts = (0, 1, 2, 3, 19, 48)
         clips = tuple(float(sd[c]) * f for c, f in zip(starts, (0.05, 0.3, 1.0, 0.1, 0.5, 2.0)))
     plan = Plan(

@@ -69,6 +69,28 @@ def test_current_fixture_uses_every_cpu_coder_and_reencodes_byte_exactly():
     assert codec.encode(kv) == blob
 
 
+HALF = FIX / "half"
+
+
+def test_float16_basis_fixture_decodes_and_reencodes_byte_exactly():
+    """Calibration version 10, what kvtc writes now: its PCA bases stored as float16, the blob encoded with the
+    calibration as fitted; the checked-in blob decodes byte for byte with the file and the slice re-encodes to the
+    same bytes."""
+    cal = Calibration.load(HALF / "calibration.safetensors")
+    assert cal.version == 10 and cal.basis_dtype == torch.float16
+    assert all(p.basis.dtype == torch.float16 for kind in ("keys", "values") for p in cal.pcas[kind])
+    blob = (HALF / "sample.kvtc").read_bytes()
+    assert Codec.inspect(blob)["calibration"] == cal.hash
+    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    out = codec.decode(blob)
+    want = load_file(str(HALF / "sample_decoded.safetensors"))
+    for name in ("keys", "values", "positions"):
+        assert torch.equal(getattr(out, name), want[name]), name
+    inp = load_file(str(HALF / "sample_input.safetensors"))
+    kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
+    assert codec.encode(kv) == blob
+
+
 def test_current_fixture_rejects_every_flip_of_its_gauss_streams():
     cal = Calibration.load(CURRENT / "calibration.safetensors")
     blob = (CURRENT / "sample.kvtc").read_bytes()

@@ -12,6 +12,7 @@ import torch
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_scales
 from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES, Plan
+from kvtc.calibration.meta import HALF_BASIS_VERSION
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
 from kvtc.quant import INT1S, INT4S, fixed_step
@@ -141,11 +142,14 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     back = Calibration.load(path)
     assert back.hash == weighted.hash and back.weighted
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
-    # version 6 where the plans use a fixed-step type, 5 where they use the one-bit type (each unknown to the
+    # version 10 (float16 bases) as kvtc writes them now; with float32 bases (as a file of an older version holds
+    # them) version 6 where the plans use a fixed-step type, 5 where they use the one-bit type (each unknown to the
     # readers before it), else 4
     for cal, data in ((weighted, path.read_bytes()), (plain, plain.to_bytes())):
+        assert json.loads(_meta(data))["version"] == HALF_BASIS_VERSION
         want = 6 if any(fixed_step(t) for t in cal.types) else 5 if INT1S in cal.types else 4
-        assert json.loads(_meta(data))["version"] == want
+        wide = dataclasses.replace(cal, basis_dtype=torch.float32)
+        assert json.loads(_meta(wide.to_bytes()))["version"] == want
     assert weighted.stats["kv_split"]["errors"] == "relative"
 
 
@@ -165,7 +169,8 @@ def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
 
 def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it() -> None:
     # versions 1-3 (the paper's types plain: 1, weighted: 2; ours, int3 and scale-only: 3) are written again for a
-    # calibration read from such a file, with the hash of that version; a calibration made now is version 4
+    # calibration read from such a file, with the hash of that version; a calibration made now is version 10 (4 with
+    # float32 bases)
     k, v = _rows(0)
     scales = _scales()
     plain = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES))
@@ -175,7 +180,8 @@ def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it()
     ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8, 16), dp_rows=512, types=V4_TYPES), feature_scale=scales)
     assert not plain.extended_types and not weighted.extended_types and ours.extended_types
     for cal, version in ((plain, 1), (weighted, 2), (ours, 3)):
-        assert json.loads(_meta(cal.to_bytes()))["version"] == 4
+        assert json.loads(_meta(cal.to_bytes()))["version"] == HALF_BASIS_VERSION
+        assert json.loads(_meta(dataclasses.replace(cal, basis_dtype=torch.float32).to_bytes()))["version"] == 4
         old = Calibration(
             **{
                 f: getattr(cal, f)
@@ -187,7 +193,9 @@ def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it()
         assert json.loads(_meta(data))["version"] == version and "checksum" not in json.loads(_meta(data))
         back = Calibration.from_bytes(data)
         assert back.legacy and back.hash == old.hash != cal.hash
-    # a file that claims version 2 but whose plans use version-3 types is corrupt
+    # a file (of float32 bases, as versions 1-9 hold them) that claims version 2 but whose plans use version-3
+    # types is corrupt
+    ours = dataclasses.replace(ours, basis_dtype=torch.float32)
     meta = json.loads(_meta(ours.to_bytes()))
     meta["version"] = 2
     with pytest.raises(CalibrationError, match="version-2 calibration whose plans or scales need version 3"):
@@ -200,6 +208,8 @@ def test_a_calibration_with_one_bit_plans_is_version_5_and_a_version_4_claim_is_
     k, v = _rows(0)
     base = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=V4_TYPES), feature_scale=_scales())
     plan = Plan(((1, INT4S, 4), (4, INT1S, 2)), clips=(1.0,) * 4 + (0.3125, 0.375))
+    assert dataclasses.replace(base, plans={"8": {"keys": [plan], "values": [plan]}}).version == HALF_BASIS_VERSION
+    base = dataclasses.replace(base, basis_dtype=torch.float32)  # as the versions before 10 hold the bases
     one_bit = dataclasses.replace(base, plans={"8": {"keys": [plan], "values": [plan]}})
     assert base.version == 4 and one_bit.version == 5 and INT1S in one_bit.types
     data = one_bit.to_bytes()

@@ -15,6 +15,7 @@ import torch
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
+from kvtc.calibration.meta import HALF_BASIS_VERSION
 from kvtc.codec import Codec, attention, container, tiers
 from kvtc.errors import CalibrationError, FormatError
 from kvtc.rope import RopeKind, RopeSpec
@@ -183,7 +184,10 @@ def test_unpack_mask_checks_size_padding_and_counts():
 def test_calibration_with_queries_saves_as_version_7_and_keeps_its_name(cal, tmp_path):
     plain = dataclasses.replace(cal, queries=None, query_scales=None)
     assert cal.hash == plain.hash  # decoding never reads the queries
-    assert cal.version == 7 and plain.version < 7
+    assert cal.version == plain.version == HALF_BASIS_VERSION  # float16 bases: the file tells the queries
+    wide = dataclasses.replace(cal, basis_dtype=torch.float32)  # float32 bases, as versions 4-9 hold them
+    assert wide.version == 7 and dataclasses.replace(wide, queries=None, query_scales=None).version < 7
+    assert Calibration.from_bytes(wide.to_bytes()).version == 7
     back = Calibration.load(cal.save(tmp_path / "c.safetensors"))
     assert torch.equal(back.queries, cal.queries) and torch.equal(back.query_scales, cal.query_scales)
     assert back.hash == cal.hash
@@ -286,9 +290,11 @@ def test_a_map_without_weights_ranks_as_the_mean_queries(cal):
 
 def test_calibration_with_a_query_map_saves_as_version_8(cal, tmp_path):
     mapped = _with_map(cal, 0.1)
-    assert mapped.version == 8 and mapped.hash == cal.hash  # decoding never reads it
+    assert mapped.version == HALF_BASIS_VERSION and mapped.hash == cal.hash  # decoding never reads it
     back = Calibration.load(mapped.save(tmp_path / "m.safetensors"))
-    assert back.version == 8 and torch.equal(back.query_map, mapped.query_map)
+    assert back.version == HALF_BASIS_VERSION and torch.equal(back.query_map, mapped.query_map)
+    wide = Calibration.from_bytes(dataclasses.replace(mapped, basis_dtype=torch.float32).to_bytes())
+    assert wide.version == 8 and torch.equal(wide.query_map, mapped.query_map)  # float32 bases: as versions 4-9
     blob = Codec(back, 8).encode(tiered_slice())
     assert Codec.inspect(blob)["rungs"] is not None  # the default: the rate ladder
     assert torch.equal(Codec(cal, 8).decode(blob).keys, Codec(back, 8).decode(blob).keys)

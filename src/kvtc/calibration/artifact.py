@@ -3,7 +3,12 @@
 Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
 
 * ``{kind}.{g}.mean``        float32 ``[p_g]``
-* ``{kind}.{g}.basis``       float32 ``[k, p_g]`` — rows are components (the one orientation in kvtc)
+* ``{kind}.{g}.basis``       float16 ``[k, p_g]`` — rows are components (the one orientation in kvtc); float32 in
+  a file of format version 1-9. A calibration rounds a fitted float32 basis to float16 when it is made (format
+  version 10), so the object a fit returns holds what its file holds and has the same ``hash``: a blob encoded
+  with it decodes with the file. A coder takes the basis to float32 (:meth:`~kvtc.calibration.pca.PCAResult.coder_basis`)
+  and computes in float32; the rounding (at most 2^-11 relative per entry) moves a projection and reconstruction
+  by about 1e-7 of the signal's energy, far below any plan's quantization error
 * ``{kind}.{g}.eigenvalues`` float32 ``[k]``
 * ``{kind}.{g}.scale``       float32 ``[p_g]``, positive — only in a sensitivity-weighted calibration (format
   version 2): the group's PCA was fitted on rows ``x ∘ scale`` (see :class:`~kvtc.calibration.pca.PCAResult`)
@@ -29,6 +34,7 @@ shape before anything is used; it never executes code (no pickle).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -53,6 +59,7 @@ from .meta import (
     needed_version,
     read_header,
     saved_version,
+    stored_basis_dtype,
     tensor_names,
 )
 from .pca import PCAResult
@@ -75,7 +82,9 @@ def ratio_key(ratio: float) -> str:
 class Calibration:
     """Everything the codec needs about a model: PCA bases and bit plans, per kind and PCA group.
 
-    ``pcas[kind][g]`` is a :class:`PCAResult`; ``plans[ratio_key][kind][g]`` a :class:`Plan`.
+    ``pcas[kind][g]`` is a :class:`PCAResult`; ``plans[ratio_key][kind][g]`` a :class:`Plan`. Each basis is held
+    in :attr:`basis_dtype` (float16 unless the calibration was read from an older file): a float32 one given to the
+    constructor is rounded to it there, once.
     """
 
     layout: KVLayout
@@ -96,11 +105,44 @@ class Calibration:
     query_map: torch.Tensor | None = None
     #: the prediction of each token's K/V from its token ids that the codec codes the residual of (None: none)
     token_map: TokenMap | None = None
+    #: the dtype the PCA bases are held and stored in: float16 (format version 10; None means it), or float32 for a
+    #: calibration read from a file of version 1-9 (``legacy`` ones included), whose bases are kept as the file
+    #: holds them (its hash names them) and which is saved in its version again
+    basis_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self._columns = self.grouping.columns(self.layout)
+        self._round_bases()
         self.validate()
         self.hash = self._compute_hash()
+
+    def _round_bases(self) -> None:
+        """Settle :attr:`basis_dtype` and hold every basis in it (rounding a float32 one to float16): what the file
+        will store, so that a calibration and its saved file have one hash. ``pcas`` is rebuilt, never changed in
+        place (the caller's lists and results stay as they were); malformed ``pcas`` are left to :meth:`validate`."""
+        if self.basis_dtype is None:
+            self.basis_dtype = torch.float32 if self.legacy else torch.float16
+        if self.basis_dtype not in (torch.float16, torch.float32):
+            raise CalibrationError(f"basis_dtype must be torch.float16 or torch.float32, not {self.basis_dtype}")
+        if self.legacy and self.basis_dtype != torch.float32:
+            raise CalibrationError(
+                "a calibration read from a file of version 1-3 (legacy) keeps its float32 bases; pass legacy=False "
+                "to make a new calibration of float16 bases"
+            )
+        if not isinstance(self.pcas, dict):
+            return
+        dtype = self.basis_dtype
+        self.pcas = {
+            kind: [
+                dataclasses.replace(p, basis=p.basis.to(dtype))
+                if isinstance(p, PCAResult) and p.basis.is_floating_point() and p.basis.dtype != dtype
+                else p
+                for p in pcas
+            ]
+            if isinstance(pcas, list)
+            else pcas
+            for kind, pcas in self.pcas.items()
+        }
 
     # ------------------------------------------------------------------ queries
     @property
@@ -198,6 +240,7 @@ class Calibration:
             self.queries is not None,
             self.query_map is not None,
             self.token_map is not None,
+            self.basis_dtype == torch.float16,
         )
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
@@ -338,7 +381,10 @@ class Calibration:
 
     @classmethod
     def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: str) -> Calibration:
-        check_tensors(tensors, source)
+        # the bases' dtype is the one the file's version declares, strictly (float16 from version 10)
+        version = meta.get("version")
+        basis_dtype = stored_basis_dtype(version) if isinstance(version, int) else torch.float32
+        check_tensors(tensors, source, basis_dtype)
         try:
             layout = KVLayout.from_dict(meta["layout"])
             grouping = PCAGrouping.from_dict(meta["grouping"])
@@ -378,6 +424,7 @@ class Calibration:
                 query_scales=tensors.get("queries.scale"),
                 query_map=tensors.get("queries.map"),
                 token_map=None if meta.get("token_map") is None else TokenMap.from_parts(meta["token_map"], tensors),
+                basis_dtype=basis_dtype,
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):

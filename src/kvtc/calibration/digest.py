@@ -3,8 +3,9 @@
 * ``hash`` names the calibration: blobs carry it (a blob is decoded only with the calibration that encoded it) and
   stores key their namespaces by it. From format version 4 it is :func:`decoding_hash`, the SHA-256 of exactly
   what decoding depends on: layout, PCA grouping, RoPE spec, every plan's segments and clips (by ratio, kind and
-  group) and the ``mean``, ``basis`` and ``scale`` tensors. Statistics, timings, corpus notes, model id, library
-  version, eigenvalues, ``total_variance``/``samples`` and the DP's predicted errors are left out, so
+  group) and the ``mean``, ``basis`` and ``scale`` tensors as the file stores them (from format version 10 the
+  basis as float16; its dtype is hashed with its bytes, so a float32 copy of the same bases, as a file of version
+  4-9 holds them, is another calibration). Statistics, timings, corpus notes, model id, library version, eigenvalues, ``total_variance``/``samples`` and the DP's predicted errors are left out, so
   recalibrating the same recipe on the same data gives the same hash.
 * ``checksum`` (version 4) guards the file: :func:`content_hash` over all the metadata but the checksum itself
   and every tensor, so a changed byte anywhere is refused on load.

@@ -15,6 +15,8 @@ import math
 from collections import Counter
 from typing import Any
 
+import torch
+
 from ..errors import CalibrationError
 from ..layout import DTYPES, MAX_TOKENS, PCAGrouping
 from ..quant import DROP, FIXED_TYPES, FP8, INT1S, INT2, INT4, TYPE_NAMES
@@ -84,13 +86,18 @@ MAX_META_ENTRIES = 64
 #: 8: version 7 that also records the key-to-query map (tensor ``queries.map``, metadata ``queries`` ``map``).
 #: 9: any of 4-8 that also carries a token map (tensors ``tokens.*``, metadata ``token_map``:
 #: :mod:`kvtc.calibration.token_map`), which decoding needs; a calibration without one is written as before.
+#: 10 (any content of 4-9): every PCA basis is stored as float16 (float32 in 1-9), half the file; what kvtc writes
+#: now. A version-9 reader refuses it by its version instead of reading a float16 basis where it wants float32.
+#: Its content is told by the file, not the version: plan types, ``queries`` (``map`` or not) and ``token_map`` as
+#: in 4-9. A calibration read from a file of 1-9 keeps its float32 bases and is written in that version again.
 FORMAT_VERSION = 4
 INT1_VERSION = 5
 FIXED_VERSION = 6
 QUERIES_VERSION = 7
 QUERY_MAP_VERSION = 8
 TOKEN_MAP_VERSION = 9
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+HALF_BASIS_VERSION = 10
+READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 #: type codes a version-1 or version-2 file may use
 _V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
 
@@ -109,11 +116,16 @@ def saved_version(
     queries: bool = False,
     query_map: bool = False,
     token_map: bool = False,
+    half_basis: bool = False,
 ) -> int:
-    """The version a calibration is written in: its old file's lowest version (``legacy``), else 4, 5 or 6, 7
-    when it records mean queries, 8 when it also records the key-to-query map, 9 when it carries a token map."""
+    """The version a calibration is written in: its old file's lowest version (``legacy``), else 10 when its bases
+    are float16 (``half_basis``: every calibration kvtc makes now), else (float32 bases, read from a file of 4-9)
+    4, 5 or 6, 7 when it records mean queries, 8 when it also records the key-to-query map, 9 when it carries a
+    token map."""
     if legacy:
         return needed_version(types, weighted)
+    if half_basis:
+        return HALF_BASIS_VERSION
     if token_map:
         return TOKEN_MAP_VERSION
     if query_map:
@@ -121,6 +133,12 @@ def saved_version(
     if queries:
         return QUERIES_VERSION
     return max(FORMAT_VERSION, needed_version(types, weighted))
+
+
+def stored_basis_dtype(version: int) -> torch.dtype:
+    """The dtype of the ``{kind}.{g}.basis`` tensors of a file of format ``version``: float16 from
+    :data:`HALF_BASIS_VERSION`, float32 before."""
+    return torch.float16 if version >= HALF_BASIS_VERSION else torch.float32
 
 
 def parse_json(raw: Any, source: Any, limit: int = MAX_META_BYTES) -> Any:
@@ -277,8 +295,13 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
     if version == QUERY_MAP_VERSION and meta.get("queries") is None:
         raise CalibrationError(f"{where}: a version-{version} file without its 'queries'; the file is corrupt")
-    if (version == TOKEN_MAP_VERSION) != (meta.get("token_map") is not None):
-        raise CalibrationError(f"{where}: a token map belongs in a version-9 file and only there; the file is corrupt")
+    if (version == TOKEN_MAP_VERSION and meta.get("token_map") is None) or (
+        meta.get("token_map") is not None and version not in (TOKEN_MAP_VERSION, HALF_BASIS_VERSION)
+    ):
+        raise CalibrationError(
+            f"{where}: a token map belongs in a version-9 file (which must have one) or a version-10 file, and only "
+            "there; the file is corrupt"
+        )
     if meta.get("token_map") is not None:
         tm = meta["token_map"]
         if not isinstance(tm, dict) or set(tm) != {"lags", "vocab", "gain"} or not isinstance(tm["gain"], dict):
@@ -291,7 +314,7 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
             _number(v, f"{where} 'token_map' gain {_show(name)}")
     if meta.get("queries") is not None:
         q = meta["queries"]
-        if version == TOKEN_MAP_VERSION:
+        if version in (TOKEN_MAP_VERSION, HALF_BASIS_VERSION):
             fields = {"per_kv_head", "map"} if isinstance(q, dict) and "map" in q else {"per_kv_head"}
         else:
             fields = {"per_kv_head", "map"} if version >= QUERY_MAP_VERSION else {"per_kv_head"}

@@ -38,6 +38,9 @@ class PCAResult:
     """``mean [p]``, ``basis [k, p]`` (rows are components), ``eigenvalues [k]`` (descending),
     ``total_variance`` (trace of the covariance: the energy a full basis would capture), ``samples``.
 
+    A fit returns a float32 basis; a :class:`~kvtc.calibration.artifact.Calibration` holds it rounded to float16
+    (as its file stores it), so read it through :meth:`coder_basis` (float32) or take it ``.float()``.
+
     ``scale [p]`` (optional, positive): the PCA was fitted on sensitivity-weighted rows ``x ∘ scale``, so
     ``mean``, ``basis`` and ``eigenvalues`` live in that weighted space; a coder projects
     ``(x − mean/scale) @ (basis ∘ scale)ᵀ`` and reconstructs ``coeffs @ (basis / scale) + mean/scale``."""
@@ -73,13 +76,16 @@ class PCAResult:
             self.scale,
         )
 
-    def coder_basis(self, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mean, basis)`` in feature units for a coder: ``coeffs = (x − mean) @ basisᵀ`` with the encode
-        basis, ``x̂ = coeffs @ basis + mean`` with the decode basis (the same matrix when unweighted)."""
+    def coder_basis(self, decode: bool, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, basis)`` in feature units for a coder, float32 on ``device`` (None: where they are):
+        ``coeffs = (x − mean) @ basisᵀ`` with the encode basis, ``x̂ = coeffs @ basis + mean`` with the decode basis
+        (the same matrix when unweighted). A calibration stores its basis as float16 (format version 10): it is
+        moved to ``device`` as such and taken to float32 there (exactly), so the coder's arithmetic is float32."""
+        mean, basis = self.mean.to(device), self.basis.to(device).float()
         if self.scale is None:
-            return self.mean, self.basis
-        s = self.scale
-        return self.mean / s, (self.basis / s) if decode else (self.basis * s)
+            return mean, basis
+        s = self.scale.to(device)
+        return mean / s, (basis / s) if decode else (basis * s)
 
 
 #: float32 chunk products summed in place this many times before they are added into the float64 total

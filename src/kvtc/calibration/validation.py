@@ -13,6 +13,7 @@ import torch
 from ..errors import CalibrationError, CalibrationMismatch
 from ..layout import KVLayout, PCAGrouping
 from ..textsafe import printable
+from .meta import _HOSTILE, HALF_BASIS_VERSION
 from .token_map import STD_FLOOR
 
 KINDS = ("keys", "values")
@@ -39,8 +40,9 @@ def validate(cal: Any) -> None:
             if pca.scale is not None and pca.scale.shape != (pg,):
                 raise CalibrationError(f"{kind} group {g}: feature scale must be [{pg}]")
             for name, t in (("mean", pca.mean), ("basis", pca.basis), ("eigenvalues", pca.eigenvalues)):
-                if t.dtype != torch.float32:
-                    raise CalibrationError(f"{kind} group {g}: {name} must be finite float32")
+                want = cal.basis_dtype if name == "basis" else torch.float32
+                if t.dtype != want:
+                    raise CalibrationError(f"{kind} group {g}: {name} must be finite {_name(want)}, got {t.dtype}")
     for key, by_kind in cal.plans.items():
         if set(by_kind) != set(KINDS):
             raise CalibrationError(f"ratio {key}: plans must cover {KINDS}")
@@ -74,7 +76,7 @@ def validate(cal: Any) -> None:
         raise CalibrationError("a key-to-query map comes with the mean queries")
     if cal.token_map is not None:
         cal.token_map.validate(cal.layout.num_features)
-    check_tensors(cal._tensors())
+    check_tensors(cal._tensors(), basis_dtype=cal.basis_dtype)
 
 
 #: what each calibration tensor's values must be, by the last part of its name (``{kind}.{g}.{part}``) or its
@@ -102,17 +104,23 @@ _RULES = {
     "denormal divisor decodes to inf or NaN)",
     "std": "positive finite standard deviations of at least {floor:.4g} (the fit's floor)",
 }
-#: the dtype of the tensors that are not float32
+#: the dtype of the tensors that are not float32 (but the bases, whose dtype the file's version says)
 _DTYPES = {"tokens.keys": torch.float16, "tokens.values": torch.float16}
+#: the format versions that store the PCA bases in each dtype (:func:`~kvtc.calibration.meta.stored_basis_dtype`)
+_BASIS_VERSIONS = {torch.float16: f"{HALF_BASIS_VERSION} or later", torch.float32: f"1 to {HALF_BASIS_VERSION - 1}"}
 
 
 def _role(name: str) -> str:
     return _ROLES.get(name) or _ROLES.get(name.rsplit(".", 1)[-1], "finite")
 
 
-def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibration") -> None:
+def check_tensors(
+    tensors: Mapping[str, torch.Tensor], source: Any = "calibration", basis_dtype: torch.dtype = torch.float16
+) -> None:
     """Raise :class:`CalibrationError` (naming the tensor, and saying to rebuild the calibration) unless every
-    calibration tensor holds values a decode can use: float32 (the token map's weights float16) and finite;
+    calibration tensor holds values a decode can use: float32 (the token map's weights float16, the PCA bases
+    ``basis_dtype``: float16 in a file of format version 10, float32 before,
+    :func:`~kvtc.calibration.meta.stored_basis_dtype`) and finite;
     eigenvalues zero or a positive normal float; feature scales and query logit scales positive normal floats (no
     zero, negative or denormal value: decoding divides by them or by their reciprocals), the token map's standard
     deviations at least :data:`~kvtc.calibration.token_map.STD_FLOOR`; and, where a PCA group is weighted, its
@@ -122,10 +130,17 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibratio
     weighted basis is looked at column by column only when its extremes could overflow the coder's, and values one
     by one only to name the first bad one."""
     widest: dict[str, float] = {}  # the largest |value| of each weighted basis
-    for name, t in tensors.items():
-        want = _DTYPES.get(name, torch.float32)
+    for name in sorted(tensors):  # in name order: a file's first bad tensor is named whatever order it was read in
+        t = tensors[name]
+        basis = name.rpartition(".")[2] == "basis"
+        want = basis_dtype if basis else _DTYPES.get(name, torch.float32)
         if not isinstance(t, torch.Tensor) or t.dtype != want:
             got = type(t).__name__ if not isinstance(t, torch.Tensor) else str(t.dtype)
+            if basis:
+                raise CalibrationError(
+                    f"{source}: tensor {printable(name)!r} must be {want}, got {got}: a calibration of format version "
+                    f"{_BASIS_VERSIONS.get(want, '?')} stores its PCA bases as {_name(want)}; {_HOSTILE}"
+                )
             raise CalibrationError(
                 f"{source}: tensor {printable(name)!r} must be {want}, got {got}; the file is corrupt: rebuild "
                 "the calibration (`kvtc calibrate`)"
@@ -165,6 +180,10 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibratio
                 )
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _overflows(x: float) -> bool:
     """True when ``x`` (a Python float) is beyond float32's range."""
     return not x < float(torch.finfo(torch.float32).max)
@@ -192,6 +211,9 @@ def _refuse(source: Any, name: str, t: torch.Tensor, role: str) -> None:
     bad = int((~flat).sum())
     value = float(t.reshape(-1)[first])
     rule = _RULES[role].format(tiny=tiny, floor=STD_FLOOR)
+    if name.rpartition(".")[2] == "basis" and t.dtype == torch.float16:
+        # a float32 basis entry past float16's range became inf when the calibration rounded it
+        rule += " (a PCA basis is orthonormal: its entries lie in [-1, 1], far inside float16's ±65504)"
     what = "token map " if name.startswith("tokens.") else ""
     raise CalibrationError(
         f"{source}: {what}tensor {printable(name)!r} holds {bad} value(s) a decode cannot use (e.g. {value!r} at "
@@ -223,6 +245,7 @@ def shard(cal: Any, heads: tuple[int, ...]) -> Any:
         corpus=cal.corpus,
         stats={**cal.stats, "sharded_from": cal.hash},
         library_version=cal.library_version,
+        basis_dtype=cal.basis_dtype,  # a shard of a calibration read from an older file keeps its float32 bases
         queries=None if cal.queries is None else cal.queries[:, [cal.layout.heads.index(h) for h in heads]],
         query_scales=cal.query_scales,
         query_map=None if cal.query_map is None else cal.query_map[:, [cal.layout.heads.index(h) for h in heads]],

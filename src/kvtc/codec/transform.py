@@ -126,13 +126,14 @@ class PCATransform:
 
     def basis_fp32(self, kind: str, g: int, decode: bool = False) -> Basis:
         """``(mean, basis)`` in feature units: the projection's (encode) or the reconstruction's (decode); they
-        differ only for a sensitivity-weighted calibration (:meth:`PCAResult.coder_basis`)."""
+        differ only for a sensitivity-weighted calibration (:meth:`PCAResult.coder_basis`). float32 on the device:
+        the calibration's float16 basis is moved as such and widened there."""
         decode = self._side(kind, g, decode)
         key = (kind, g, decode)
         if key not in self._bases:
             pca = self.calibration.pcas[kind][g]
-            mean, basis = pca.coder_basis(decode)
-            self._bases[key] = (mean.to(self.device), basis.contiguous().to(self.device))
+            mean, basis = pca.coder_basis(decode, self.device)
+            self._bases[key] = (mean, basis.contiguous())
         return self._bases[key]
 
     # ------------------------------------------------------------------ the two directions
