@@ -79,6 +79,27 @@ def test_collect_rows_counts_rows_exactly_and_skips_the_sinks(smollm2, dated_doc
     assert torch.allclose(rows[0][0], want, atol=1e-5, rtol=1e-5)
 
 
+def test_bfloat16_forward_reads_rows_close_to_float32_and_leaves_the_model_as_it_was(smollm2, dated_docs) -> None:
+    """The default forward pass runs under bfloat16 autocast: its rows are the float32 pass's within about 1% (the
+    calibration's rows, not what the codec codes), and the model's own weights are untouched."""
+    from kvtc.integrations.hf_calibrate import window_rows
+
+    model, tok = smollm2
+    texts = dated_docs[1][-10:]
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    exact = list(window_rows(model, tok, texts, 248, window=128, progress=False, forward="model"))
+    fast = list(window_rows(model, tok, texts, 248, window=128, progress=False, forward="bfloat16"))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(exact, fast))  # the same windows
+    for (_, k, v), (_, kb, vb) in zip(exact, fast):
+        assert kb.dtype == torch.float32 and kb.shape == k.shape
+        for x, y in ((k, kb), (v, vb)):
+            rel = float((x - y).norm() / x.norm())
+            assert 0 < rel < 0.02, rel
+    assert all(torch.equal(p, before[n]) and p.dtype == torch.float32 for n, p in model.named_parameters())
+    with pytest.raises(CalibrationError, match="forward"):
+        list(window_rows(model, tok, texts, 124, window=128, progress=False, forward="fp4"))
+
+
 def test_sampling_refuses_unknown_modes_and_too_little_text(smollm2, dated_docs) -> None:
     model, tok = smollm2
     _, texts = dated_docs

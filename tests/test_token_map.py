@@ -24,12 +24,12 @@ from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError
 FIX = Path(__file__).parent / "fixtures" / "predicted"
 
 
-def synthetic(vocab=40, dim=5, p=12, windows=12, tokens=200, noise=0.05, related=True, seed=0):
+def synthetic(vocab=40, dim=5, p=12, windows=12, tokens=200, noise=0.05, related=True, seed=0, block=None):
     """Windows of random ids whose K/V are a fixed linear function of the lagged embeddings (plus noise)."""
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(vocab, dim, generator=g) * 3 + 1
     w = {k: torch.randn(LAGS * dim, p, generator=g) for k in ("keys", "values")}
-    fit = TokenMapFit(emb, p)
+    fit = TokenMapFit(emb, p, block=block)
     truth = []
     for i in range(windows):
         ids = torch.randint(0, vocab, (tokens,), generator=g)
@@ -61,10 +61,50 @@ def test_fit_recovers_a_linear_relation_and_centres_its_predictions():
     assert float(tm.predict(xs, "keys").mean(0).abs().max()) < 0.05
 
 
-def test_fit_finds_no_gain_where_ids_say_nothing():
-    _, fit, _ = synthetic(related=False)
+@pytest.mark.parametrize("block", [None, 4])
+def test_fit_finds_no_gain_where_ids_say_nothing(block):
+    _, fit, _ = synthetic(related=False, block=block)
     gain = fit.gain()
     assert gain["keys"] < 0.05 and gain["values"] < 0.05, gain  # the calibration's "auto" then leaves it out
+
+
+def test_gain_over_blocks():
+    """One block of every feature is the whole p x p measurement; blocks of a layer's features measure over their
+    own spectra (another figure, still finding the relation the ids carry); blocks must tile the features."""
+    whole = synthetic(noise=1.0, block=None)[1].gain()
+    assert synthetic(noise=1.0, block=12)[1].gain() == pytest.approx(whole, rel=1e-9)
+    blocks = synthetic(noise=1.0, block=4)[1].gain()
+    assert 0.5 < blocks["keys"] < 1 and blocks["keys"] != pytest.approx(whole["keys"], rel=1e-6)
+    with pytest.raises(CalibrationError, match="tile"):
+        TokenMapFit(torch.randn(4, 2), 12, block=5)
+
+
+def test_cross_fitted_maps_do_not_flatter_the_rows_they_residualise():
+    """Rows the ids say nothing about: the map fitted on them "explains" part of them (in-sample residuals smaller
+    than the rows), while each part's rows less the other part's map keep their energy, as text the map never saw
+    does. Calibration residualises its own windows that way (fit_token_map), so plans are not sized on flattered
+    rows."""
+    g = torch.Generator().manual_seed(3)
+    vocab, dim, p, tokens = 400, 48, 16, 120
+    emb = torch.randn(vocab, dim, generator=g)
+    fit = TokenMapFit(emb, p, measure=False)
+    windows = []
+    for i in range(8):
+        ids = torch.randint(0, vocab, (tokens,), generator=g)
+        rows = {k: torch.randn(tokens - 4, p, generator=g) for k in ("keys", "values")}
+        fit.add(ids, rows, 4, held_out=bool(i % 2))
+        windows.append((ids, rows))
+    whole, halves = fit.result(vocab), (fit.result(vocab, part=0), fit.result(vocab, part=1))
+
+    def energy(tm, ids, y):  # noqa: ANN001, ANN202
+        x = tm.features(emb, ids[None], torch.device("cpu"))[0, 4:]
+        return float((y - tm.predict(x, "keys")).square().sum())
+
+    rows = sum(float(w["keys"].square().sum()) for _, w in windows)
+    in_sample = sum(energy(whole, ids, w["keys"]) for ids, w in windows)
+    crossed = sum(energy(halves[1 - i % 2], ids, w["keys"]) for i, (ids, w) in enumerate(windows))
+    assert in_sample < 0.9 * rows  # the bias cross-fitting removes
+    assert crossed > rows
 
 
 def test_water_filling_matches_the_closed_form():

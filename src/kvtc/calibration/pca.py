@@ -132,12 +132,6 @@ class CovarianceAccumulator:
             self._fold()
         self.count += rows.shape[0]
 
-    def gram(self) -> torch.Tensor:
-        """``Σ cᵀc`` over every row so far (centred on the pivot), float64, both triangles."""
-        self._fold()
-        upper = torch.triu(self.outer)
-        return upper + torch.triu(upper, 1).T
-
     def _fold(self) -> None:
         if self._pending:
             self.outer += self._gram
@@ -145,22 +139,31 @@ class CovarianceAccumulator:
             self._pending = 0
 
     def finalize(self, rank: int | None = None) -> PCAResult:
+        """The PCA of every row so far. The accumulator's own float64 sums become the covariance in place and are
+        released: a calibration's peak memory is two ``p x p`` matrices per kind less than it would otherwise be."""
         if self.count < 2 or self.pivot is None:
             raise CalibrationError("need at least 2 calibration rows for a PCA")
         d = self.sum / self.count
-        cov = self.gram() / self.count - torch.outer(d, d)
+        self._fold()
+        self._gram = torch.empty(0)
+        cov, self.outer = self.outer, torch.empty(0)  # the upper triangle of the sums, float64
+        cov.triu_()
+        cov += cov.triu(1).T
+        cov.div_(self.count).addr_(d, d, alpha=-1)
+        total = float(torch.trace(cov).clamp(min=0))
         # float64 eigh of a 5,760-wide covariance takes minutes on 2 cores; float32 is ~2x faster and loses
         # accuracy only on the smallest components, which the bit plans drop or code coarsely anyway
-        evals, evecs = torch.linalg.eigh(cov if self.p <= EIGH_FLOAT64_MAX else cov.float())
-        evals, evecs = evals.double(), evecs.double()
-        order = torch.argsort(evals, descending=True)
+        if self.p > EIGH_FLOAT64_MAX:
+            cov = cov.float()
+        evals, evecs = torch.linalg.eigh(cov)
+        del cov
+        order = torch.argsort(evals.double(), descending=True)
         k = self.p if rank is None else min(rank, self.p)
         order = order[:k]
         basis = evecs[:, order].T.contiguous().float()
+        del evecs
         mean = (self.pivot.double() + d).float()
-        return PCAResult(
-            mean.cpu(), basis.cpu(), spectrum(evals[order]), float(torch.trace(cov).clamp(min=0)), self.count
-        )
+        return PCAResult(mean.cpu(), basis.cpu(), spectrum(evals.double()[order]), total, self.count)
 
 
 def spectrum(evals: torch.Tensor) -> torch.Tensor:

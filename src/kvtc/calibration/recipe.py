@@ -8,8 +8,8 @@ tensors, same plans, same content hash. Across CPUs the float reductions of the 
 differ in the last bits, so an independently rebuilt calibration has another content hash and does not decode
 blobs the first one encoded (``CalibrationMismatch``): copy the calibration file instead.
 
-The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r11`` is ``Recipe()``,
-``r11u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
+The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r16`` is ``Recipe()``,
+``r16u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
 the token count), so a new default recipe is a new name and a new file.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import CalibrationError
 from ..layout import PCAGrouping
 from ..quant import DROP, TYPE_NAMES
-from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES, R9_TYPES
+from .dp import DEFAULT_DP_ROWS, DEFAULT_SIZES, DEFAULT_TYPES
 from .pca import DEFAULT_OVERSAMPLE, DEFAULT_POWER_ITERS, DEFAULT_RANK_CAP
 
 #: target ratios of a calibration; one basis serves all of them (the paper's 8/16/32/64 and points between,
@@ -93,6 +93,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     # newest tokens' predicted queries give them, kvtc.codec.tiers), the mean queries alone ("mean": the ranking
     # uses them) or neither ("none")
     "queries": ("keys", "mean", "none"),
+    # the precision of the calibration's forward pass (the K/V rows): the model's own matrix products in bfloat16
+    # under autocast ("bfloat16", ours: 1.7-3x faster on CPUs with bf16 instructions, K/V within 0.4% of float32's,
+    # docs/studies/calibration-speed.md) or as the model runs ("model")
+    "forward": ("bfloat16", "model"),
     # code each token's K/V less a linear prediction from its token ids (kvtc.calibration.token_map): fit the map
     # and keep it where it saves enough distortion on held-out windows ("auto", ours), always ("on") or never
     # ("off": r14 and before)
@@ -157,6 +161,7 @@ class Recipe:
     sampling: str = "spread"
     queries: str = "keys"
     token_map: str = "auto"
+    forward: str = "bfloat16"
     tokens: int = DEFAULT_TOKENS
     window: int = DEFAULT_WINDOW_TOKENS
     sinks: int = DEFAULT_CALIBRATION_SINKS
@@ -249,44 +254,15 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
         _bad(name, v, f"give a whole number of at least {least}")
 
 
-#: named recipes: the embedded default's cached calibrations are made with these (the file name carries the name)
-#: r9: windows spread across the corpus, Fisher-weighted per feature (each kind normalised apart), every quantization
-#: type (int1s included) with the DP's clips, budgets counting the expected stored bits (the coded rate), targets 6-64
-#: with 7.5 and 10 between; r9u: the same without weighting. (r8 counted packed bits without int1s; r7 took the
-#: corpus's first windows.)
-#: r10: r9 plus the fixed-step types (int2f, int4f, int8f) and the stored rate; r10u without weighting.
-#: r11: r10 plus each head's mean query and the tiers' targets (4, 18, 36, 72, 96), for the
-#: token-adaptive rates; r11u without weighting.
-#: r12: r11 plus the key-to-query map, so that the tiers rank tokens by the attention of the newest
-#: tokens' queries predicted from their exact keys instead of the mean queries'; r12u without weighting.
-#: r13: r12 plus plans at 144x and 192x, the low tiers of 48x and 64x at 3 times the target; r13u without
-#: weighting.
-#: r14: r13 with each plan's stored size measured as the encoder now stores it, fixed-step planes under their
-#: components' Gaussians (``coder="gauss"``); r14u without weighting.
-#: r15 (now the default): r14 plus the token map where it pays (``token_map="auto"``: Gemma-3-270M and SmolLM2-135M
-#: both keep it); r15u without weighting.
-_R14 = {"token_map": "off"}
-_R13 = {"coder": "zstd", **_R14}
-_R12 = {"ratios": R12_RATIOS, **_R13}
-_R10 = {"ratios": R10_RATIOS, "queries": "none", **_R13}
-_R9 = {"types": R9_TYPES, "rate": "coded", **_R10}
-RECIPES: dict[str, Recipe] = {
-    "r15": Recipe(),
-    "r15u": Recipe(sensitivity="none"),
-    "r14": Recipe(**_R14),
-    "r14u": Recipe(sensitivity="none", **_R14),
-    "r13": Recipe(**_R13),
-    "r13u": Recipe(sensitivity="none", **_R13),
-    "r12": Recipe(**_R12),
-    "r12u": Recipe(sensitivity="none", **_R12),
-    "r11": Recipe(queries="mean", **_R12),
-    "r11u": Recipe(sensitivity="none", queries="mean", **_R12),
-    "r10": Recipe(**_R10),
-    "r10u": Recipe(sensitivity="none", **_R10),
-    "r9": Recipe(**_R9),
-    "r9u": Recipe(sensitivity="none", **_R9),
-}
-DEFAULT_RECIPE = "r15"
-UNWEIGHTED_RECIPE = "r15u"
+#: named recipes: the embedded default's cached calibrations are made with these (the file name carries the name).
+#: r16 (the default): one forward pass over the calibration windows, in bfloat16 (``forward="bfloat16"``), feeds the
+#: token map (cross-fitted on its first windows), the PCA, the DP rows and the recorded queries; the windows' plans
+#: by the rate ladder, each token less its token-map prediction where that pays, fixed-step planes sized under their
+#: components' Gaussians, Fisher-weighted features; r16u without the weighting (the eval's ablation). What each
+#: earlier recipe (r9 to r15) added, and why r16 replaced them: docs/studies/history.md and
+#: docs/studies/calibration-speed.md. A calibration file of any recipe keeps loading: its recipe is in its stats.
+RECIPES: dict[str, Recipe] = {"r16": Recipe(), "r16u": Recipe(sensitivity="none")}
+DEFAULT_RECIPE = "r16"
+UNWEIGHTED_RECIPE = "r16u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

@@ -36,17 +36,17 @@ LAGS = 3
 RIDGE = 0.1
 #: the least gain for which calibration keeps the map (``token_map="auto"``): the share of the distortion that
 #: coding the residuals saves against coding the K/V, at the rate of :data:`GAIN_RATIO` by reverse water-filling over
-#: the held-out rows' sensitivity-weighted spectra (mean over keys and values). Below it the map is not worth its
-#: file size and its product per encode and decode. Gemma-3-270M's saves 21% (next-token KL at 64x: -21%),
-#: SmolLM2-135M's 15% (-20%). The energy the map removes is no guide: about half on both
-MIN_GAIN = 0.05
+#: the spectra of each layer's features in the held-out rows, sensitivity weighted (mean over keys and values). Below
+#: it the map is not worth its file size and its product per encode and decode. Measured per layer, Gemma-3-270M's
+#: saves 43% and SmolLM2-135M's 44%; over the whole p x p spectrum (the measurement before recipe r16, at 5%: minutes
+#: of eigendecompositions) the same maps save 21% and 13% (next-token KL at 64x: -21% and -20%), so the whole's 5% lies at 10-17%
+#: per layer on the two, and 15% sits there. The energy the map removes is no guide: about half on both
+MIN_GAIN = 0.15
 #: the compression ratio at which the gain is measured
 GAIN_RATIO = 32
-#: the share of the calibration's token count the map is fitted on (at least one window, at most MAX_FIT_TOKENS)
-FIT_SHARE = 0.2
+#: the most calibration tokens the map is fitted on (the calibration's first windows; their rows wait in memory, at
+#: float16, until the map is solved)
 MAX_FIT_TOKENS = 20_000
-#: the share of the fitting windows held out to measure the map's gain
-HOLDOUT_SHARE = 0.25
 #: embedding rows stored to recognise the model's embeddings
 PROBE_ROWS = 8
 #: the least standard deviation of a feature the fit keeps (a constant feature's): a file's ``tokens.std`` below it
@@ -190,11 +190,20 @@ class TokenMap:
 
 
 class TokenMapFit:
-    """Streams windows (token ids and their K/V rows) into the moments a :class:`TokenMap` is solved from; the
-    last windows (``holdout``) are kept apart to measure the map's gain on rows it was not fitted on."""
+    """Streams windows (token ids and their K/V rows) into the moments a :class:`TokenMap` is solved from, in two
+    parts: a map solved on either part predicts the other's rows out of sample (cross-fitting), and with
+    ``measure`` the second part's second moments give the gain of the first part's map on rows it was not fitted
+    on (:meth:`gain`)."""
 
-    def __init__(self, emb: torch.Tensor, features: int, lags: int = LAGS) -> None:
-        self.emb, self.lags, self.features = emb.detach(), lags, features
+    def __init__(
+        self, emb: torch.Tensor, features: int, lags: int = LAGS, measure: bool = True, block: int | None = None
+    ) -> None:
+        self.emb, self.lags, self.features, self.measure = emb.detach(), lags, features, measure
+        #: the gain's spectra are those of consecutive blocks of this many features (a layer's: the covariance's
+        #: diagonal blocks), or of all features at once (None)
+        self.block = features if block is None else block
+        if self.block < 1 or features % self.block:
+            raise CalibrationError(f"token map: blocks of {block} features do not tile {features}")
         f = lags * emb.shape[1] + 1
         self.parts = [self._zero(f), self._zero(f)]  # fitting, held out
 
@@ -207,9 +216,10 @@ class TokenMapFit:
         return out
 
     def _yy(self, part: dict[str, Any], k: str, y: torch.Tensor) -> None:
-        if f"{k}.yy" not in part:
-            part[f"{k}.yy"] = torch.zeros(self.features, self.features, dtype=torch.float64)
-        part[f"{k}.yy"] += (y.T @ y).double()
+        """Add the rows' second moments within each block: ``[blocks, block, block]``."""
+        yb = y.reshape(y.shape[0], -1, self.block).transpose(0, 1)  # [blocks, n, block]
+        yy = (yb.transpose(1, 2) @ yb).double()
+        part[f"{k}.yy"] = yy if f"{k}.yy" not in part else part[f"{k}.yy"] + yy
 
     def add(self, ids: torch.Tensor, rows: dict[str, torch.Tensor], first: int, held_out: bool = False) -> None:
         """One window: ``ids`` ``[T]`` and its ``rows[kind]`` ``[T - first, p]`` (the rows of tokens ``first``
@@ -224,7 +234,7 @@ class TokenMapFit:
             part[k] += (a.T @ y).double()
             part[f"{k}.sum"] += y.double().sum(0)
             part[f"{k}.sq"] += y.double().square().sum(0)
-            if held_out:  # the held-out rows' second moments, for the gain's spectra
+            if held_out and self.measure:  # the held-out rows' second moments, for the gain's spectra
                 self._yy(part, k, y)
 
     @staticmethod
@@ -255,8 +265,10 @@ class TokenMapFit:
     def gain(self, scale: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:
         """Per kind, the share of the distortion that coding the held-out rows less the map's prediction (the map
         fitted on the other windows) saves against coding the rows, at :data:`GAIN_RATIO` (reverse water-filling
-        over each one's spectrum about the fitting rows' mean, features weighted by ``scale[kind]``), and the share
-        of their energy the map removes (``"{kind} energy"``)."""
+        over the spectra of each one's blocks about the fitting rows' mean, features weighted by ``scale[kind]``),
+        and the share of their energy the map removes (``"{kind} energy"``). The blocks (a layer's features each,
+        as calibration sets them) keep the measurement at a layer's size: the whole ``p x p`` spectrum costs minutes
+        of eigendecompositions on a wide model and tells the same keep-or-leave."""
         fit, test = self.parts
         if test["n"] == 0:
             raise CalibrationError("no held-out window to measure the token map on; calibrate on more tokens")
@@ -265,28 +277,34 @@ class TokenMapFit:
         f = a_m.shape[0] - 1
         n = test["n"]
         out = {}
+        nb, b = self.features // self.block, self.block
         for k in KINDS:
             ybar = fit[f"{k}.sum"] / fit["n"]
             s_y = test[f"{k}.sum"]
-            # sum over rows of (y - ybar)(y - ybar)^T, of z^T (y - ybar) and of (z w)^T (z w)
-            cyy = test[f"{k}.yy"] - torch.outer(ybar, s_y) - torch.outer(s_y, ybar) + n * torch.outer(ybar, ybar)
-            czy = (t.T @ test[k])[:f] - torch.outer(a_m[f, :f], ybar)
-            cross = w[k].T @ czy
-            crr = cyy - cross - cross.T + w[k].T @ a_m[:f, :f] @ w[k]
+            # per block (features i, j of one block), sums over rows of (y - ybar)(y - ybar)^T, of z^T (y - ybar)
+            # and of (z w)^T (z w)
+            yb, sb = ybar.reshape(nb, b), s_y.reshape(nb, b)
+            outer = lambda u, v: u[:, :, None] * v[:, None, :]  # noqa: E731
+            cyy = test[f"{k}.yy"] - outer(yb, sb) - outer(sb, yb) + n * outer(yb, yb)
+            czy = ((t.T @ test[k])[:f] - torch.outer(a_m[f, :f], ybar)).reshape(f, nb, b).transpose(0, 1)
+            wb = w[k].reshape(f, nb, b).transpose(0, 1)  # [blocks, F, b]
+            cross = wb.transpose(1, 2) @ czy
+            crr = cyy - cross - cross.transpose(1, 2) + wb.transpose(1, 2) @ (a_m[:f, :f] @ wb)
             s = scale.get(k) if scale else None
             if s is not None:
-                d = s.double()
-                cyy, crr = cyy * torch.outer(d, d), crr * torch.outer(d, d)
+                d = s.double().reshape(nb, b)
+                cyy, crr = cyy * outer(d, d), crr * outer(d, d)
             bits = 16 * self.features / GAIN_RATIO
-            d_rows = water_filling(torch.linalg.eigvalsh(cyy.float() / n).double(), bits)
-            d_res = water_filling(torch.linalg.eigvalsh(crr.float() / n).double(), bits)
+            d_rows = water_filling(torch.linalg.eigvalsh(cyy.float() / n).double().reshape(-1), bits)
+            d_res = water_filling(torch.linalg.eigvalsh(crr.float() / n).double().reshape(-1), bits)
             out[k] = 1 - d_res / max(d_rows, 1e-30)
-            out[f"{k} energy"] = float(1 - crr.trace() / cyy.trace().clamp_min(1e-30))
+            trace = lambda c: c.diagonal(dim1=1, dim2=2).sum()  # noqa: E731
+            out[f"{k} energy"] = float(1 - trace(crr) / trace(cyy).clamp_min(1e-30))
         return out
 
-    def result(self, vocab: int, gain: dict[str, float] | None = None) -> TokenMap:
-        """The map solved on every window, fitting and held out."""
-        mu, sd, w, _ = self._solve(self._merge(self.parts))
+    def result(self, vocab: int, gain: dict[str, float] | None = None, part: int | None = None) -> TokenMap:
+        """The map solved on every window, fitting and held out (``part`` given: on that part's windows alone)."""
+        mu, sd, w, _ = self._solve(self._merge(self.parts) if part is None else self.parts[part])
         probe = self.emb[probe_ids(vocab).to(self.emb.device)].float().cpu()
         return TokenMap(
             self.lags, vocab, mu.float(), sd.float(), {k: v.to(torch.float16) for k, v in w.items()}, probe,

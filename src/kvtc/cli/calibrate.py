@@ -98,6 +98,14 @@ def add_calibrate(sub: Any) -> None:
         "encoding and decoding need the model's input embeddings): auto (default) fits the map and keeps it where "
         "it saves enough distortion on held-out windows (Gemma-3-270M and SmolLM2-135M: kept); on; off",
     )
+    p.add_argument(
+        "--forward",
+        choices=("bfloat16", "model"),
+        default="bfloat16",
+        help="the precision of the forward pass that reads the calibration's K/V: bfloat16 (default) runs the "
+        "model's matrix products in bfloat16 under autocast (1.7-3x faster on CPUs with bf16 instructions, K/V "
+        "within about 0.4%% of float32's); model: as the model runs",
+    )
     p.add_argument("--window", type=positive_int, help="tokens per calibration window (default 1,024)")
     p.add_argument(
         "--out",
@@ -239,6 +247,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
         sampling=args.sampling,
         queries=args.queries,
         token_map=args.token_map,
+        forward=args.forward,
         types=parse_types(args.types),
         **{k: v for k, v in given.items() if v is not None},
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -137,6 +138,27 @@ def collect_rows(
     """Yield ``(key_rows, value_rows)`` float32 ``[window - sinks, p]`` per window until ``tokens`` rows, the
     windows taken from ``texts`` as ``sampling`` says (:func:`corpus_windows`); with a ``token_map``, each row less
     its prediction from the window's token ids (what the codec then codes)."""
+    emb = model.get_input_embeddings().weight.detach() if token_map is not None else None
+    for ids, k, v in window_rows(model, tokenizer, texts, tokens, window, sinks, progress, sampling, seed):
+        yield _residual(token_map, emb, ids, sinks, k, v)
+
+
+def window_rows(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    tokens: int,
+    window: int = DEFAULT_WINDOW_TOKENS,
+    sinks: int = DEFAULT_SINKS,
+    progress: bool = True,
+    sampling: str = DEFAULT_SAMPLING,
+    seed: int = 0,
+    forward: str = "model",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One model forward per window of ``texts`` (as :func:`collect_rows` takes them): ``(ids [window], key_rows,
+    value_rows)``, the rows float32 ``[n, p]`` of the window's positions past the ``sinks``, ``tokens`` rows in all.
+    Every stage of a calibration that needs the model's K/V reads them from this one pass. ``forward="bfloat16"``
+    runs the model's matrix products in bfloat16 under autocast (the model itself is left as it is)."""
     from transformers import DynamicCache
 
     if window <= sinks:
@@ -149,23 +171,20 @@ def collect_rows(
         count = -(-tokens // (window - sinks))
         body = model.get_decoder()  # the KV is all that is needed: no logits over the vocabulary
         for ids in corpus_windows(tokenizer, texts, window, count, sampling, seed):
-            with torch.inference_mode():
+            with torch.inference_mode(), _autocast(device, forward):
                 # a config-less cache keeps every token of sliding-window layers too: each is a sample of what
                 # those layers cache, wherever the window ends
                 cache = DynamicCache()
                 body(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
             kv = extract_slice(cache, model, every_token=True)
+            del cache
             take = min(window - sinks, tokens - done)
             k = kv.keys[0, sinks : sinks + take].reshape(take, layout.num_features).float().cpu()
             v = kv.values[0, sinks : sinks + take].reshape(take, layout.num_features).float().cpu()
-            if token_map is not None:
-                emb = model.get_input_embeddings().weight.detach()
-                x = token_map.features(emb, ids[None], torch.device("cpu"))
-                x = x[0, sinks : sinks + take]
-                k, v = k - token_map.predict(x, "keys"), v - token_map.predict(x, "values")
+            del kv
             done += take
             bar.update(take)
-            yield k, v
+            yield ids.cpu(), k, v
             if done >= tokens:
                 return
     finally:
@@ -175,6 +194,38 @@ def collect_rows(
             f"the corpus gave only {done} calibration tokens of the {tokens} asked for; "
             "add more text or ask for fewer tokens"
         )
+
+
+def _autocast(device: torch.device, forward: str) -> Any:
+    """The context a calibration forward pass runs in: bfloat16 autocast, or nothing (``forward="model"``)."""
+    if forward == "model":
+        return contextlib.nullcontext()
+    if forward != "bfloat16":
+        raise CalibrationError(f"forward must be 'bfloat16' or 'model', got {forward!r}")
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _compact(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as float16 while they wait for the token map (half the memory; float16 keeps 11 significant bits,
+    far below any codec's error), float32 where a value would not fit."""
+    half = rows.half()
+    return half if bool(torch.isfinite(half).all()) else rows
+
+
+def _residual(
+    token_map: TokenMap | None,
+    emb: torch.Tensor | None,
+    ids: torch.Tensor,
+    sinks: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window's rows less the ``token_map``'s prediction from its ids (as they are without a map)."""
+    k, v = k.float(), v.float()
+    if token_map is None:
+        return k, v
+    x = token_map.features(emb, ids[None], torch.device("cpu"))[0, sinks : sinks + k.shape[0]]
+    return k - token_map.predict(x, "keys"), v - token_map.predict(x, "values")
 
 
 def measure_sensitivity(
@@ -315,15 +366,30 @@ def calibrate_model(
             measured, resolution=recipe.sensitivity_resolution, normalize=normalize, floor=recipe.sensitivity_floor,
             seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
-    token_map, map_notes = None, {"method": "off"}
-    if recipe.token_map != "off":  # on windows other than the rows' (seed + 2)
-        count = token_map_windows(recipe)
-        windows = corpus_windows(tokenizer, texts, recipe.window, count, recipe.sampling, recipe.seed + 2)
-        token_map, map_notes = fit_token_map(model, windows, count, recipe, feature_scale, progress)
-    rows = collect_rows(
+    # one forward pass over the calibration windows feeds the token map (fitted on the first of them), the PCA
+    # and the DP rows (each window's rows less the map's prediction) and the query recorder
+    stream = window_rows(
         model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed,
-        token_map,
+        recipe.forward,
     )  # fmt: skip
+    fitted: dict[str, Any] = {"map": None, "notes": {"method": "off"}}
+
+    def rows() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        emb = model.get_input_embeddings().weight.detach()
+        token_map = None
+        if recipe.token_map != "off":
+            buffered = [
+                (ids, _compact(k), _compact(v)) for ids, k, v in itertools.islice(stream, token_map_windows(recipe))
+            ]
+            token_map, fitted["notes"], halves = fit_token_map(model, buffered, recipe, feature_scale)
+            fitted["map"] = token_map
+            for i in range(len(buffered)):  # each window less the prediction of the map not fitted on it
+                ids, k, v = buffered[i]
+                buffered[i] = None  # type: ignore[call-overload]  # its memory goes as it is used
+                yield _residual(None if halves is None else halves[1 - i % 2], emb, ids, recipe.sinks, k, v)
+        for ids, k, v in stream:
+            yield _residual(token_map, emb, ids, recipe.sinks, k, v)
+
     say = (lambda msg: log.info("calibration: %s", msg)) if progress else None
     meta = dict(corpus or {})
     timer = StageTimer()
@@ -334,7 +400,6 @@ def calibrate_model(
             "sinks_excluded": recipe.sinks,
             "sampling": recipe.sampling,
             "sensitivity": meta_sens,
-            "token_map": map_notes,
         }
     )
     with contextlib.ExitStack() as stack:
@@ -344,7 +409,7 @@ def calibrate_model(
             recorder = stack.enter_context(recording_queries(model, layout, rope, recipe.sinks, keys))
         cal = fit_calibration(
             layout,
-            timer.iterate(rows, "collect"),
+            timer.iterate(rows(), "collect"),
             recipe,
             feature_scale=feature_scale,
             rope=rope.to_dict(),
@@ -356,18 +421,19 @@ def calibrate_model(
         queries, scales = recorder.result()
         qmap = recorder.query_map() if recorder.keys else None
         cal = dataclasses.replace(cal, queries=queries, query_scales=scales, query_map=qmap)
-    if token_map is not None:
-        cal = dataclasses.replace(cal, token_map=token_map)
+    cal = dataclasses.replace(cal, token_map=fitted["map"], corpus={**cal.corpus, "token_map": fitted["notes"]})
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)
-    cal.stats["seconds"]["collect"] = round(timer.seconds["collect"], 3)
+    # the rows' clock ran through the token map's fit too: "collect" is the forward pass alone
+    mapped = fitted["notes"].get("seconds", 0.0)
+    cal.stats["seconds"].update(collect=round(timer.seconds["collect"] - mapped, 3), token_map=mapped)
     cal.stats["recipe"] = recipe.to_dict()
     return cal
 
 
 def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model: str = "smollm2") -> Path:
     """An embedded model's calibration on pre-2000 State of the Union speeches made with a named ``recipe``
-    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r13, ``Recipe(sensitivity="none")`` r13u, the
+    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r16, ``Recipe(sensitivity="none")`` r16u, the
     unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path.
 
     ``model`` names the embedded model (:func:`kvtc.assets.embedded_model`: ``"smollm2"``, the default, or
@@ -416,7 +482,7 @@ def load_calibration(
     source: Calibration | str | os.PathLike[str], model: Any = None, progress: bool = True
 ) -> Calibration:
     """The calibration ``source`` names: a :class:`Calibration` (returned as is), a calibration file's path, or
-    ``"default"``: the embedded model's own (the ``r13`` recipe, built on first use and cached, one file per
+    ``"default"``: the embedded model's own (the ``r16`` recipe, built on first use and cached, one file per
     embedded model; see :func:`default_calibration`).
 
     ``model`` (optional) names the model it is for (hub id, local directory, ``"default"`` or an embedded model's

@@ -1,11 +1,11 @@
-"""The token map of a Hugging Face causal LM (:mod:`kvtc.calibration.token_map`): fitted on windows of the
-calibration corpus before the calibration rows are collected, kept where its held-out gain says it pays."""
+"""The token map of a Hugging Face causal LM (:mod:`kvtc.calibration.token_map`): fitted on the first windows of the
+calibration's own forward pass (their rows wait for it), kept where its held-out gain says it pays."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,60 +14,47 @@ from ..calibration import token_map as tm
 from ..calibration.recipe import Recipe
 from ..calibration.token_map import TokenMap
 from ..errors import CalibrationError
-from ..progress import bar as progress_bar
-from .hf import describe_model, extract_slice
+from .hf import describe_model
 
 log = logging.getLogger(__name__)
 
 
 def token_map_windows(recipe: Recipe) -> int:
-    """How many windows of the corpus the token map of ``recipe`` is fitted on (the last of them held out):
-    :data:`~kvtc.calibration.token_map.FIT_SHARE` of its tokens, at most
-    :data:`~kvtc.calibration.token_map.MAX_FIT_TOKENS`, at least two windows."""
+    """How many of the calibration's windows (the first ones) the token map of ``recipe`` is fitted on: all of them
+    up to :data:`~kvtc.calibration.token_map.MAX_FIT_TOKENS` tokens, at least two."""
     per = recipe.window - recipe.sinks
-    return max(2, min(-(-int(recipe.tokens * tm.FIT_SHARE) // per), -(-tm.MAX_FIT_TOKENS // per)))
+    return max(2, min(-(-recipe.tokens // per), -(-tm.MAX_FIT_TOKENS // per)))
 
 
 def fit_token_map(
     model: Any,
-    windows: Iterable[torch.Tensor],
-    count: int,
+    windows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     recipe: Recipe,
     feature_scale: dict[str, torch.Tensor] | None = None,
-    progress: bool = True,
-) -> tuple[TokenMap | None, dict[str, Any]]:
-    """The token map ``recipe.token_map`` asks for and notes on it: fitted on ``count`` token-id ``windows`` (not the
-    calibration rows'), the last :data:`~kvtc.calibration.token_map.HOLDOUT_SHARE` of them held out to measure its
-    gain; ``"auto"`` keeps it only when the gain reaches :data:`~kvtc.calibration.token_map.MIN_GAIN`, ``"on"``
-    fits it on every window and measures nothing."""
-    from transformers import DynamicCache
+) -> tuple[TokenMap | None, dict[str, Any], tuple[TokenMap, TokenMap] | None]:
+    """The token map ``recipe.token_map`` asks for, notes on it, and the two maps that residualise ``windows``
+    themselves: fitted on ``windows``, ``(ids [T], key_rows, value_rows)`` each, the rows ``[T - recipe.sinks, p]``
+    (the calibration's own, read in its one forward pass).
 
+    The windows are cross-fitted: even and odd windows form two parts, a map is solved on each, and window ``i``'s
+    rows are predicted by the map of the part it is not in (``halves[1 - i % 2]``), so the PCA and the bit plans see
+    residuals as the codec will on text the map never saw (in-sample residuals would be smaller, and plans sized on
+    them would store more than their targets). The map returned is solved on every window. ``"auto"`` keeps it
+    only where the map of the even windows saves at least :data:`~kvtc.calibration.token_map.MIN_GAIN` of the
+    distortion on the odd ones; ``"on"`` keeps it and measures nothing."""
     t0 = time.perf_counter()
+    count = len(windows)
+    if count < 2:
+        raise CalibrationError("the corpus holds too few windows to fit the token map; add text or use token_map='off'")
     layout, _ = describe_model(model)
     emb = model.get_input_embeddings().weight.detach()
     measure = recipe.token_map != "on"
-    held = max(1, round(count * tm.HOLDOUT_SHARE)) if measure else 0
-    fit = tm.TokenMapFit(emb.float(), layout.num_features)
-    device = next(model.parameters()).device
-    bar = progress_bar(count, "token map windows", progress, unit="window")
-    done = 0
-    try:
-        for ids in windows:
-            with torch.inference_mode():
-                cache = DynamicCache()  # config-less: every layer keeps every token
-                model.get_decoder()(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
-            kv = extract_slice(cache, model, every_token=True)
-            rows = {
-                kind: t[0, recipe.sinks :].reshape(-1, layout.num_features)
-                for kind, t in (("keys", kv.keys), ("values", kv.values))
-            }
-            fit.add(ids, rows, recipe.sinks, held_out=done >= count - held)
-            done += 1
-            bar.update(1)
-    finally:
-        bar.close()
-    if done < 2:
-        raise CalibrationError("the corpus holds too few windows to fit the token map; add text or use token_map='off'")
+    fit = tm.TokenMapFit(
+        emb.float(), layout.num_features, measure=measure, block=layout.num_features // len(layout.layers)
+    )
+    for i, (ids, k, v) in enumerate(windows):
+        # the last window may hold fewer rows than positions: its ids up to the last row's token
+        fit.add(ids[: recipe.sinks + k.shape[0]], {"keys": k, "values": v}, recipe.sinks, held_out=bool(i % 2))
     gain = fit.gain(feature_scale) if measure else {}
     mean_gain = (gain["keys"] + gain["values"]) / 2 if measure else 1.0
     keep = not measure or mean_gain >= tm.MIN_GAIN
@@ -76,8 +63,8 @@ def fit_token_map(
         "kept": keep,
         "gain": {k: round(v, 4) for k, v in gain.items()},
         "min_gain": tm.MIN_GAIN,
-        "windows": done,
-        "held_out": held,
+        "windows": count,
+        "held_out": count // 2 if measure else 0,
     }
     if measure:
         log.info(
@@ -85,9 +72,12 @@ def fit_token_map(
             100 * mean_gain,
             "kept" if keep else "left out",
         )
-    result = fit.result(emb.shape[0], gain) if keep else None
+    result = halves = None
+    if keep:
+        result = fit.result(emb.shape[0], gain)
+        halves = (fit.result(emb.shape[0], part=0), fit.result(emb.shape[0], part=1))
     notes["seconds"] = round(time.perf_counter() - t0, 3)
-    return result, notes
+    return result, notes, halves
 
 
 __all__ = ["fit_token_map", "token_map_windows"]
