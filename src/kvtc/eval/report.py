@@ -52,8 +52,19 @@ def markdown(result: dict[str, Any]) -> str:
         f"({p(cal.get('samples') or '?', 40)} tokens, corpus {p(corpus)})."
     )
     lines.append("")
-    lines.append("| method | ratio | Δppl | KL(exact‖lossy) | top-1 agree | K rel. err | V rel. err | pass-key acc. |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    copy = next((r for r in result["storage_roundtrip"] if r["curve"] == "exact" and "copy_tokens" in r), None)
+    if copy is not None:
+        lines.append(
+            f"KL is the mean over all scored tokens, p90 and max are over the {cfg['windows']} windows' means; copy "
+            f"KL is over the {copy['copy_tokens']} copy tokens of {copy['copy_windows']} windows (continuation "
+            "tokens whose bigram occurs in the compressed span but not among the exact tokens before them)."
+        )
+        lines.append("")
+    lines.append(
+        "| method | ratio | Δppl | KL(exact‖lossy) | KL p90 | KL max | copy KL | top-1 agree | K rel. err | V rel. err "
+        "| pass-key acc. |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = sorted(result["storage_roundtrip"], key=lambda r: (r["curve"] != "exact", r["curve"], r.get("ratio", 0)))
     for r in rows:
         rr = ret.get(r["method"])
@@ -61,11 +72,11 @@ def markdown(result: dict[str, Any]) -> str:
         if r["curve"] == "exact":
             ppl = f"ppl {r['ppl']:.3f}"
             acc = f"{ret['exact']['accuracy']:.2f}" if "exact" in ret else ""
-            lines.append(f"| exact | 1 | {ppl} | 0 | 1 | 0 | 0 | {acc} |")
+            lines.append(f"| exact | 1 | {ppl} | 0 | 0 | 0 | 0 | 1 | 0 | 0 | {acc} |")
             continue
         lines.append(
             f"| {r['method']} | {r['ratio']:.2f}× | {_pct(r.get('delta_ppl_pct'))} | {_f(r.get('kl'))} | "
-            f"{_f(r.get('top1_agreement'))} | {_f(r.get('k_rel_error'))} | {_f(r.get('v_rel_error'))} | {acc} |"
+            f"{_f(r.get('kl_p90'))} | {_f(r.get('kl_max'))} | {_f(r.get('copy_kl'))} | {_f(r.get('top1_agreement'))} | {_f(r.get('k_rel_error'))} | {_f(r.get('v_rel_error'))} | {acc} |"
         )
     typed = [r for r in rows if "k_rel_error_full" in r]
     if typed:  # a model with sliding-window and full-attention layers: the error of each kind of layer
@@ -170,9 +181,15 @@ def markdown(result: dict[str, Any]) -> str:
         for r in result["retrieval"]:
             ratio = f"{r['ratio']:.2f}×" if "ratio" in r else "1"
             lines.append(f"| {r['method']} | {ratio} | {r['accuracy']:.3f} | {r['lost_vs_exact']} |")
+    if result.get("needles"):
+        lines += _needle_lines(result["needles"])
     missing = [
         name
-        for key, name in (("conversation", "the simulated conversation"), ("retrieval", "pass-key retrieval"))
+        for key, name in (
+            ("conversation", "the simulated conversation"),
+            ("retrieval", "pass-key retrieval"),
+            ("needles", "the RULER-style needles"),
+        )
         if not result.get(key)
     ]
     if missing:
@@ -192,6 +209,32 @@ def markdown(result: dict[str, Any]) -> str:
         + "."
     )
     return "\n".join(lines)
+
+
+def _needle_lines(needles: dict[str, Any]) -> list[str]:
+    """The needle table: one row per cache, one column per (kind, length): correct answers of the prompts."""
+    rows = needles["rows"]
+    cols = sorted({(r["kind"], r["length"]) for r in rows}, key=lambda c: (c[0] != "single", c[1]))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["kind"], r["length"]): r for r in rows}
+    lines = [
+        "",
+        "RULER-style needles in the evaluation text (single: one key-value needle; multi-key: four alike, one "
+        "queried; greedy answer, exact match of the seven-digit value): correct answers"
+        + (f"; left out (beyond the model's context): {needles['left_out']}" if needles.get("left_out") else "")
+        + ".",
+        "",
+        "| cache | ratio | " + " | ".join(f"{k} {f'{n // 1024}K' if n % 1024 == 0 else n}" for k, n in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for m in methods:
+        first = next(r for r in rows if r["method"] == m)
+        ratio = f"{first['ratio']:.2f}×" if "ratio" in first else "1"
+        cells = [cell.get((m, k, n)) for k, n in cols]
+        lines.append(
+            f"| {m} | {ratio} | " + " | ".join(f"{c['correct']}/{c['prompts']}" if c else "" for c in cells) + " |"
+        )
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:

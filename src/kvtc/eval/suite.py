@@ -29,6 +29,8 @@ from .config import (  # noqa: F401  (re-exported: the run's defaults live with 
     DEFAULT_CONTINUATION,
     DEFAULT_CONVERSATION_TOKENS,
     DEFAULT_HAYSTACK,
+    DEFAULT_NEEDLE_LENGTHS,
+    DEFAULT_NEEDLE_PROMPTS,
     DEFAULT_RATIOS,
     DEFAULT_RETRIEVAL_DEPTHS,
     DEFAULT_RETRIEVAL_LENGTHS,
@@ -41,7 +43,17 @@ from .config import (  # noqa: F401  (re-exported: the run's defaults live with 
 from .greedy import greedy_calibration, paper_types_calibration
 from .methods import FP8, KIVI, Eviction, Method, Peer, peer_available
 from .methods import KVTC as _KVTC
-from .protocols import HAYSTACKS, PASSKEY_FILLER, Tally, conversation, passkey_prompts, retrieval, storage_roundtrip
+from .protocols import (
+    HAYSTACKS,
+    NEEDLE_KINDS,
+    PASSKEY_FILLER,
+    Tally,
+    conversation,
+    needle_prompts,
+    passkey_prompts,
+    retrieval,
+    storage_roundtrip,
+)
 
 
 def _say(cfg: EvalConfig, msg: str) -> None:
@@ -333,10 +345,43 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
         out["retrieval"] = _rows(tallies, ret_methods)
         out["retrieval_prompts"] = records
 
+    # 4. RULER-style needles
+    if cfg.needles:
+        with timer("needles"):
+            out["needles"] = _needles(cfg, model, tok, cal, KVTC, texts)
+
     timer.add("total", timer.elapsed())
     out["timings_s"] = timer.rounded(1)
     out["machine"]["load_average_end"] = _loadavg()
     out["acceptance"] = acceptance(out)
+    return out
+
+
+def _needles(cfg: EvalConfig, model: Any, tok: Any, cal: Calibration, kvtc: Any, texts: list[str]) -> dict[str, Any]:
+    """Single and multi-key needle prompts hidden in the evaluation text, at each length the model's context
+    holds: one row per (kind, length, cache) and one record per prompt."""
+    limit = getattr(model.config, "max_position_embeddings", None) or max(cfg.needle_lengths)
+    lengths = [n for n in cfg.needle_lengths if n <= limit]
+    out: dict[str, Any] = {"lengths": lengths, "left_out": [n for n in cfg.needle_lengths if n > limit], "rows": []}
+    methods: list[Method] = [kvtc(cal, r) for r in cfg.needle_ratios if r in cal.ratios]
+    if cfg.baselines:
+        methods.append(KIVI(2))
+    hay = texts  # RULER's haystack is prose (essays): here the evaluation text
+    groups = [(kind, n) for kind in NEEDLE_KINDS for n in lengths]
+    total = len(groups) * cfg.needle_prompts * (len(methods) + 1)
+    _say(cfg, f"needles: {len(groups) * cfg.needle_prompts} prompts x {len(methods) + 1} caches")
+    records: list[dict[str, Any]] = []
+    with bar(total, "needles", cfg.progress) as progress:
+        for g, (kind, n) in enumerate(groups):
+            prompts = needle_prompts(tok, hay, n, kind, cfg.needle_prompts, seed=cfg.seed + 7919 * (g + 1))
+            prompts = [dataclasses.replace(p, ids=p.ids.to(cfg.device)) for p in prompts]
+            tallies, recs = retrieval(
+                model, tok, prompts, methods, cfg.sinks, cfg.window, answer_tokens=12, progress=progress
+            )
+            for row in _rows(tallies, methods):
+                out["rows"].append({"kind": kind, "length": n, **row})
+            records += recs
+    out["prompts"] = records
     return out
 
 
