@@ -102,11 +102,9 @@ def tiny_calibration(smollm2, tmp_path_factory):
     rows = list(
         collect_rows(model, tok, assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR), 508, window=512, progress=False)
     )
-    # the nominal rate: one window's 508 rows fit the basis and score the DP, so the coded rate's entropy estimate
-    # (made on those same rows) is optimistic on other text; the tests below assert the stored ratio >= 16
     from kvtc.layout import PCAGrouping
 
-    recipe = Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256, rate="nominal")
+    recipe = Recipe(ratios=(16,), grouping=PCAGrouping("layers", 1), dp_rows=256)
     cal = fit_calibration(layout, rows, recipe, rope=rope.to_dict())
     path = tmp_path_factory.mktemp("cal") / "tiny.safetensors"
     cal.save(path)

@@ -1,21 +1,22 @@
 """Regenerate the checked-in format fixtures (run only when the format changes):
 
-    python tests/make_fixtures.py            # the current, token-map and float16-basis sets
-    python tests/make_fixtures.py --legacy   # also the first set (container version 1, zstd only)
+    python tests/make_fixtures.py            # the small, current and token-map sets
     python tests/make_fixtures.py --out DIR  # the same sets under DIR (to compare with the checked-in ones)
 
-The first set, tests/fixtures/{calibration.safetensors, sample.kvtc, sample_input.safetensors,
-sample_decoded.safetensors}, was written by the first encoder and is kept as it is: every later decoder must read it.
-The current set, tests/fixtures/current/ (the same files), uses every coder the CPU encoder chooses today
-(fixed-step planes under their Gaussians, delta-coded positions); its blob must re-encode byte for byte.
-The token-map set, tests/fixtures/predicted/ (the same files and ``embeddings.safetensors``), is container version 5:
-a calibration that carries a token map, a blob that carries its token ids and codes each middle token less the
-map's prediction. The embeddings and the map hold small multiples of 1/8, so the prediction is exact in float32
-whatever order a CPU sums in; its blob must re-encode byte for byte too.
-The current and token-map sets keep float32 PCA bases (calibration versions 6 and 9, as they were written: every
-later reader must read them). The float16-basis set, tests/fixtures/half/ (the
-current set's files), is what kvtc writes now: a calibration of version 10, its bases stored as float16, and a blob
-encoded with the calibration as fitted (which holds the same float16 bases), re-encoding byte for byte with the file.
+Each set is a calibration (file version 10: float16 PCA bases), a slice (``sample_input.safetensors``), its blob
+(``sample.kvtc``) and what the blob decodes to (``sample_decoded.safetensors``); every blob must decode byte for byte
+and its slice re-encode to the same bytes.
+
+- tests/fixtures/ (the small set, 40 tokens): the corruption tests flip and cut every byte of its blob.
+- tests/fixtures/current/ (256 tokens): enough tokens that the fixed-step planes' Gaussians beat zstd, so the blob
+  uses every coder the CPU encoder chooses (``gauss`` planes, delta-coded positions).
+- tests/fixtures/predicted/ (and ``embeddings.safetensors``): a calibration that carries a token map and a blob
+  that carries its token ids (container version 5), each middle token coded less the map's prediction. The
+  embeddings and the map hold small multiples of 1/8, so the prediction is exact in float32 whatever order a CPU
+  sums in.
+
+tests/fixtures/legacy/ is not written here: files of formats this kvtc refuses (calibration versions 1 and 9, a blob
+of the first encoder), kept to test that they are refused with a message saying to rebuild.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvtc.codec import Codec
 HERE = Path(__file__).parent / "fixtures"
 
 
-def build(recipe=None, n=40, basis_dtype=None):
+def build(recipe=None, n=40):
     layout = KVLayout(layers=(0, 3), num_kv_heads=2, head_dim=8, dtype="bfloat16")
     g = torch.Generator().manual_seed(1234)
     p = layout.num_features
@@ -50,18 +51,16 @@ def build(recipe=None, n=40, basis_dtype=None):
         model_id="fixture",
         corpus={"name": "synthetic"},
     )
-    if basis_dtype is not None:  # float32: the bases as files before version 10 hold them
-        cal = dataclasses.replace(cal, basis_dtype=basis_dtype)
     keys = rows(n).reshape(1, n, 2, 2, 8).bfloat16()
     values = (rows(n) * 0.3).reshape(1, n, 2, 2, 8).bfloat16()
     return layout, cal, keys, values
 
 
-def write(here, recipe=None, tokens=40, basis_dtype=None):
+def write(here, recipe=None, tokens=40):
     from kvtc import KVSlice
 
     here.mkdir(parents=True, exist_ok=True)
-    layout, cal, keys, values = build(recipe, tokens, basis_dtype)
+    layout, cal, keys, values = build(recipe, tokens)
     cal.save(here / "calibration.safetensors")
     kv = KVSlice(layout, keys, values, torch.arange(7, 7 + keys.shape[1])[None], model_id="fixture")
     codec = Codec(cal, ratio=8, sinks=2, window=4)
@@ -76,14 +75,14 @@ def write(here, recipe=None, tokens=40, basis_dtype=None):
     print(f"{here}: calibration {cal.hash[:16]} (version {cal.version}), blob {len(blob)} bytes, backends {backends}")
 
 
-def write_predicted(here, tokens=256, basis_dtype=torch.float32):
+def write_predicted(here, tokens=256):
     """The token-map set: rows whose K/V are a base plus an exact linear function of the ids' embeddings."""
     from kvtc import KVSlice
     from kvtc.calibration.token_map import LAGS, TokenMap, lagged, probe_ids
 
     here.mkdir(parents=True, exist_ok=True)
     # the calibration is the build's own, fitted on its base rows: the residuals the blob's K/V leave
-    layout, cal, keys, values = build(Recipe(ratios=(4, 8), dp_rows=256), tokens, basis_dtype)
+    layout, cal, keys, values = build(Recipe(ratios=(4, 8), dp_rows=256), tokens)
     g = torch.Generator().manual_seed(99)
     vocab, dim, p = 64, 4, layout.num_features
     emb = torch.randint(-4, 5, (vocab, dim), generator=g).float()
@@ -123,12 +122,9 @@ def main():
     import sys
 
     root = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else HERE
-    if "--legacy" in sys.argv:
-        write(root)
-    # more tokens than the first set, so that the fixed-step planes' Gaussians beat zstd
-    write(root / "current", Recipe(ratios=(4, 8), dp_rows=256), tokens=256, basis_dtype=torch.float32)
+    write(root)
+    write(root / "current", Recipe(ratios=(4, 8), dp_rows=256), tokens=256)
     write_predicted(root / "predicted")
-    write(root / "half", Recipe(ratios=(4, 8), dp_rows=256), tokens=256)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Where calibration windows come from: spread across the corpus (default) or its first documents.
+"""Where calibration windows come from: spread across the corpus.
 
 The pre-2000 State of the Union corpus is sorted by year, so a calibration that took its first windows would see
-only the 1790s; these tests pin down that the default sampling reaches across the corpus, is deterministic, counts
-rows exactly, and refuses what it cannot do with a typed error.
+only the 1790s; these tests pin down that the sampling reaches across the corpus, is deterministic, counts rows
+exactly, and refuses what it cannot do with a typed error.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from kvtc import assets
 from kvtc.errors import CalibrationError
-from kvtc.integrations.hf_calibrate import DEFAULT_SAMPLING, collect_rows, corpus_windows
+from kvtc.integrations.hf_calibrate import collect_rows, corpus_windows
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +36,10 @@ def _source_years(tok, windows: list[torch.Tensor], years: list[int], texts: lis
 def test_spread_sampling_reaches_across_a_dated_corpus(smollm2, dated_docs) -> None:
     _, tok = smollm2
     years, texts = dated_docs
-    assert DEFAULT_SAMPLING == "spread"
-    spread = list(corpus_windows(tok, texts, 256, 12, "spread"))
-    first = list(corpus_windows(tok, texts, 256, 12, "first"))
-    assert len(spread) == len(first) == 12 and all(w.shape == (256,) for w in spread + first)
+    spread = list(corpus_windows(tok, texts, 256, 12))
+    assert len(spread) == 12 and all(w.shape == (256,) for w in spread)
     spread_years = _source_years(tok, spread, years, texts)
-    first_years = _source_years(tok, first, years, texts)
-    # the first windows all come from the oldest speeches; the spread ones from ~12 documents across two centuries
-    assert max(first_years) < 1800
+    # from ~12 documents across two centuries (the first windows would all come from the 1790s)
     assert len(set(spread_years)) >= 10
     assert min(spread_years) < 1900 < max(spread_years)
 
@@ -52,9 +48,9 @@ def test_spread_sampling_is_deterministic_per_seed(smollm2, dated_docs) -> None:
     _, tok = smollm2
     _, texts = dated_docs
     texts = texts[-20:]  # a short corpus: fast to tokenize
-    a = torch.stack(list(corpus_windows(tok, texts, 128, 6, "spread", seed=0)))
-    b = torch.stack(list(corpus_windows(tok, texts, 128, 6, "spread", seed=0)))
-    c = torch.stack(list(corpus_windows(tok, texts, 128, 6, "spread", seed=1)))
+    a = torch.stack(list(corpus_windows(tok, texts, 128, 6, seed=0)))
+    b = torch.stack(list(corpus_windows(tok, texts, 128, 6, seed=0)))
+    c = torch.stack(list(corpus_windows(tok, texts, 128, 6, seed=1)))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -66,7 +62,7 @@ def test_collect_rows_counts_rows_exactly_and_skips_the_sinks(smollm2, dated_doc
     assert [k.shape[0] for k, _ in rows] == [124, 124, 52]
     assert all(k.shape == v.shape and k.dtype == torch.float32 for k, v in rows)
     # the same windows through the model: rows are positions 4.. of each window, not position 0
-    ids = next(corpus_windows(tok, texts, 128, 3, "spread"))
+    ids = next(corpus_windows(tok, texts, 128, 3))
     from transformers import DynamicCache
 
     from kvtc.integrations.hf import extract_slice
@@ -100,17 +96,14 @@ def test_bfloat16_forward_reads_rows_close_to_float32_and_leaves_the_model_as_it
         list(window_rows(model, tok, texts, 124, window=128, progress=False, forward="fp4"))
 
 
-def test_sampling_refuses_unknown_modes_and_too_little_text(smollm2, dated_docs) -> None:
+def test_sampling_refuses_too_little_text(smollm2, dated_docs) -> None:
     model, tok = smollm2
     _, texts = dated_docs
-    with pytest.raises(CalibrationError, match="unknown sampling"):
-        list(corpus_windows(tok, texts[:2], 64, 1, "random"))
     short = [texts[0][:2000]]
     with pytest.raises(CalibrationError, match="fewer than 40 windows"):
-        list(corpus_windows(tok, short, 256, 40, "spread"))
-    for sampling in ("spread", "first"):
-        with pytest.raises(CalibrationError, match="calibration tokens|fewer than"):
-            list(collect_rows(model, tok, short, 10_000, window=256, progress=False, sampling=sampling))
+        list(corpus_windows(tok, short, 256, 40))
+    with pytest.raises(CalibrationError, match="calibration tokens|fewer than"):
+        list(collect_rows(model, tok, short, 10_000, window=256, progress=False))
 
 
 def test_spread_windows_hold_one_document_at_a_time(smollm2, dated_docs) -> None:

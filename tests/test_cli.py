@@ -75,7 +75,7 @@ def test_calibrate_default_reuses_the_cached_calibration(capsys, small_calibrati
     code, out, _ = run_cli(capsys, "calibrate", "--tokens", SMALL_CALIBRATION_TOKENS)
     ratios = ", ".join(f"{r:g}" for r in DEFAULT_RATIOS)
     assert code == 0 and str(small_calibration_path) in out and f"ratios {ratios}" in out
-    assert "bit budgets count: stored bits, measured (stored rate)" in out
+    assert "weighting: sensitivity (fisher)" in out and "bit budgets count" not in out
 
 
 def test_compress_inspect_generate_resume(capsys, tmp_path, smollm2, heldout, small_calibration_path):

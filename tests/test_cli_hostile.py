@@ -160,8 +160,7 @@ def test_calibrate_summary_escapes_a_hostile_calibration(capsys, tmp_path, monke
         "sensitivity": {"method": "\x1b[2J\u202e", "resolution": "\ud800"},
         "token_map": {"gain": {"keys": "\x1b[31m", "values": [1]}},
     }
-    cal.stats = {"seconds": {"total": "\x1b]0;pwned\x07"}, "recipe": {"rate": ["\x1b"]}}
-    cal.hash = cal._compute_hash()  # a legacy (version 1-3) calibration's hash covers its metadata
+    cal.stats = {"seconds": {"total": "\x1b]0;pwned\x07"}, "notes": {"rate": ["\x1b"]}}
     path = cal.save(tmp_path / "hostile.safetensors")
     assert Calibration.load(path).model_id == ALL_HOSTILE
     monkeypatch.setattr("kvtc.integrations.hf_calibrate.default_calibration", lambda *a, **k: path)

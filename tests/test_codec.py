@@ -135,20 +135,19 @@ def test_rank_reduced_basis_works_through_every_path(setup):
 
 
 @pytest.mark.parametrize("types", ["paper", "default"])
-def test_achieved_ratio_before_entropy_is_within_5_percent_of_target(types):
+def test_stored_ratio_meets_its_target_within_12_percent(types):
+    """Each plan's budget counts the bytes its sections store, entropy coded as in a blob (the stored rate): a blob
+    of the middle tokens stores at least its target ratio and not far above it."""
     layout = KVLayout(layers=tuple(range(8)), num_kv_heads=3, head_dim=64)  # SmolLM2 heads, 8 layers, bf16
     p = layout.num_features
     src = LowRankSource(p, decay=1e-3, noise=1e-3, seed=5)
     rows = [src.rows(1024) for _ in range(2)]
     kw = {"types": PAPER_TYPES} if types == "paper" else {}
-    # the nominal rate (packed bits) is the rule this test checks; the coded rate's is in tests/test_dp.py
-    recipe = Recipe(ratios=(8, 16, 32), dp_rows=512, rate="nominal", **kw)
+    recipe = Recipe(ratios=(8, 16, 32), dp_rows=512, **kw)
     cal = fit_calibration(layout, list(zip(rows, rows)), recipe)
     kv = make_slice(layout, src.rows(2048), src.rows(2048))
     for r in (8, 16, 32):
         info = Codec.inspect(Codec(cal, ratio=r).encode(kv))
-        # int3 planes hold two symbols a byte before entropy coding (4 bits each, the plan counts 3): count them
-        # at 3 bits to compare with the plan's budget
         int3 = sum(
             sec["raw"] for sec in info["sections"] if sec["name"].endswith(".int3") or sec["name"].endswith(".int3s")
         )
@@ -156,13 +155,8 @@ def test_achieved_ratio_before_entropy_is_within_5_percent_of_target(types):
             assert int3 == 0
         else:
             assert cal.extended_types
-        before = info["header_bytes"] + sum(
-            sec["raw"] for sec in info["sections"] if not sec["name"].startswith("raw.")
-        )
-        ratio_3bit = info["codec_ratio_before_entropy"] * before / (before - int3 / 4)
-        assert ratio_3bit == pytest.approx(r, rel=0.05), (r, info)
-        # the entropy coder always wins back int3's spare bits (a plane's bytes take at most 64 values)
-        assert info["codec_ratio"] >= max(info["codec_ratio_before_entropy"], 0.95 * r)
+        assert 0.97 * r <= info["codec_ratio"] <= 1.12 * r, (r, info["codec_ratio"])
+        assert info["codec_ratio"] >= info["codec_ratio_before_entropy"]  # the entropy coder never loses
         assert info["bytes_per_middle_token"] > 0
         assert info["whole_cache_ratio"] < info["codec_ratio"]  # sinks and window are stored raw
         assert info["middle_tokens"] == 2048 - 4 - 128

@@ -1,4 +1,4 @@
-"""Container format v1 and calibration files: byte-exact fixtures and rejection of every corruption."""
+"""The container and calibration files: byte-exact fixtures, rejection of every corruption and of older formats."""
 
 from __future__ import annotations
 
@@ -29,22 +29,28 @@ def blob():
     return (FIX / "sample.kvtc").read_bytes()
 
 
-def test_fixture_decodes_byte_exactly_and_reencodes_to_the_same_bytes(cal, blob):
-    """The first encoder's blob (container version 1, zstd only) still decodes byte for byte; today's encoder codes
-    the same slice to a blob that decodes to the same tensors (its sections now use other coders)."""
+def _decodes_and_reencodes_byte_exactly(here: Path) -> tuple[Calibration, bytes]:
+    """The fixture set in ``here``: its blob decodes byte for byte to the checked-in tensors, and its slice
+    re-encodes to the same bytes."""
+    cal = Calibration.load(here / "calibration.safetensors")
+    blob = (here / "sample.kvtc").read_bytes()
+    assert Codec.inspect(blob)["calibration"] == cal.hash
     codec = Codec(cal, ratio=8, sinks=2, window=4)
     out = codec.decode(blob)
-    want = load_file(str(FIX / "sample_decoded.safetensors"))
+    want = load_file(str(here / "sample_decoded.safetensors"))
     for name in ("keys", "values", "positions"):
         got = getattr(out, name)
         assert got.dtype == want[name].dtype and torch.equal(got, want[name]), name
-    inp = load_file(str(FIX / "sample_input.safetensors"))
+    inp = load_file(str(here / "sample_input.safetensors"))
     kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
-    again = codec.decode(codec.encode(kv))
-    for name in ("keys", "values", "positions"):
-        assert torch.equal(getattr(again, name), want[name]), name
+    assert codec.encode(kv) == blob
+    return cal, blob
+
+
+def test_small_fixture_decodes_byte_exactly_and_reencodes_to_the_same_bytes():
+    cal, blob = _decodes_and_reencodes_byte_exactly(FIX)
     info = Codec.inspect(blob)
-    assert info["calibration"] == cal.hash and info["model_id"] == "fixture"
+    assert info["model_id"] == "fixture" and info["version"] == 1
     assert (info["tokens"], info["sinks"], info["window"], info["middle_tokens"]) == (40, 2, 4, 34)
     assert info["bytes"] == len(blob)
 
@@ -54,41 +60,22 @@ CURRENT = FIX / "current"
 
 def test_current_fixture_uses_every_cpu_coder_and_reencodes_byte_exactly():
     """Today's encoder: fixed-step planes under their Gaussians (``gauss``), positions delta coded
-    (``zstd-delta64``); the checked-in blob decodes byte for byte and the slice re-encodes to the same bytes."""
-    cal = Calibration.load(CURRENT / "calibration.safetensors")
-    blob = (CURRENT / "sample.kvtc").read_bytes()
-    codec = Codec(cal, ratio=8, sinks=2, window=4)
+    (``zstd-delta64``), the calibration's PCA bases stored as float16."""
+    cal, blob = _decodes_and_reencodes_byte_exactly(CURRENT)
+    assert all(p.basis.dtype == torch.float16 for kind in ("keys", "values") for p in cal.pcas[kind])
     backends = {s["backend"] for s in Codec.inspect(blob)["sections"]}
     assert {"gauss", "zstd-delta64"} <= backends
-    out = codec.decode(blob)
-    want = load_file(str(CURRENT / "sample_decoded.safetensors"))
-    for name in ("keys", "values", "positions"):
-        assert torch.equal(getattr(out, name), want[name]), name
-    inp = load_file(str(CURRENT / "sample_input.safetensors"))
-    kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
-    assert codec.encode(kv) == blob
 
 
-HALF = FIX / "half"
+LEGACY = FIX / "legacy"
 
 
-def test_float16_basis_fixture_decodes_and_reencodes_byte_exactly():
-    """Calibration version 10, what kvtc writes now: its PCA bases stored as float16, the blob encoded with the
-    calibration as fitted; the checked-in blob decodes byte for byte with the file and the slice re-encodes to the
-    same bytes."""
-    cal = Calibration.load(HALF / "calibration.safetensors")
-    assert cal.version == 10 and cal.basis_dtype == torch.float16
-    assert all(p.basis.dtype == torch.float16 for kind in ("keys", "values") for p in cal.pcas[kind])
-    blob = (HALF / "sample.kvtc").read_bytes()
-    assert Codec.inspect(blob)["calibration"] == cal.hash
-    codec = Codec(cal, ratio=8, sinks=2, window=4)
-    out = codec.decode(blob)
-    want = load_file(str(HALF / "sample_decoded.safetensors"))
-    for name in ("keys", "values", "positions"):
-        assert torch.equal(getattr(out, name), want[name]), name
-    inp = load_file(str(HALF / "sample_input.safetensors"))
-    kv = KVSlice(cal.layout, inp["keys"], inp["values"], inp["positions"], model_id="fixture")
-    assert codec.encode(kv) == blob
+@pytest.mark.parametrize("version", [1, 9])
+def test_calibration_files_of_older_versions_are_refused_saying_to_rebuild(version):
+    """Files of the formats kvtc no longer reads (the first encoder's version 1, the float32 bases of version 9)
+    are refused by their version, with the fix."""
+    with pytest.raises(CalibrationError, match=rf"(?i)version {version}\b.*rebuild"):
+        Calibration.load(LEGACY / f"calibration-v{version}.safetensors")
 
 
 def test_current_fixture_rejects_every_flip_of_its_gauss_streams():
@@ -175,11 +162,11 @@ def test_calibration_file_corruption_is_refused(tmp_path, cal):
     (tmp_path / "t.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CalibrationError):
         Calibration.load(tmp_path / "t.safetensors")
-    # one flipped byte in the tensor data: content hash mismatch
+    # one flipped byte in the tensor data: its checksum (or the content hash) no longer matches
     bad = bytearray(data)
     bad[-5] ^= 0x01
     (tmp_path / "f.safetensors").write_bytes(bytes(bad))
-    with pytest.raises(CalibrationError, match="hash"):
+    with pytest.raises(CalibrationError, match="hash|checksum"):
         Calibration.load(tmp_path / "f.safetensors")
     with pytest.raises(CalibrationError):
         Calibration.load(tmp_path / "missing.safetensors")

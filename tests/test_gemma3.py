@@ -77,7 +77,7 @@ def small_calibration(gemma3_model):
     """A quick real calibration of Gemma-3 (4K tokens of pre-2000 speeches, no sensitivity pass) with a token map."""
     model, tok = gemma3_model
     texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
-    recipe = Recipe(tokens=4080, ratios=(16,), sensitivity="none", dp_rows=2048, token_map="on")
+    recipe = Recipe(tokens=4080, ratios=(16,), sensitivity="none", dp_rows=2048)
     return calibrate_model(model, tok, texts, recipe, progress=False)
 
 

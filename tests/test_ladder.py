@@ -187,21 +187,14 @@ def test_ladder_weights_are_relative_squared_attention_per_layer():
     assert bool(torch.isfinite(zero).all())
 
 
-def test_one_price_compares_each_kinds_error_over_its_energy(monkeypatch):
+def test_one_price_compares_each_kinds_error_over_its_energy():
     from types import SimpleNamespace
 
     pca = {"keys": [SimpleNamespace(total_variance=4.0)], "values": [SimpleNamespace(total_variance=0.5)]}
     cal = SimpleNamespace(pcas=pca, stats={"kv_split": {"value_weight": 2.0}})
-    assert tiers.LADDER_UNITS == "relative" and tiers.LADDER_VALUE_WEIGHT == 1.0
+    assert tiers.LADDER_VALUE_WEIGHT == 1.0
     assert tiers.kind_weight(cal, "keys", 0) == pytest.approx(1 / 4.0)
-    assert tiers.kind_weight(cal, "values", 0) == pytest.approx(1.0 / 0.5)  # values count as keys: their energy only
-    monkeypatch.setattr(tiers, "LADDER_VALUE_WEIGHT", None)  # the calibration's own value weight
-    assert tiers.kind_weight(cal, "values", 0) == pytest.approx(2.0 / 0.5)
-    # a calibration that records no value weight weighs values as keys; nonsense in the file changes nothing
-    assert tiers.kind_weight(SimpleNamespace(pcas=pca, stats={}), "values", 0) == pytest.approx(1 / 0.5)
-    bad = SimpleNamespace(pcas=pca, stats={"kv_split": {"value_weight": "x"}})
-    assert tiers.kind_weight(bad, "values", 0) == 1.0
+    # values count as keys, over their own energy: the calibration's value weight (its K/V split) is not read
+    assert tiers.kind_weight(cal, "values", 0) == pytest.approx(1.0 / 0.5)
     nan = SimpleNamespace(pcas={"keys": [SimpleNamespace(total_variance=float("nan"))]}, stats={})
     assert tiers.kind_weight(nan, "keys", 0) == 1.0
-    monkeypatch.setattr(tiers, "LADDER_UNITS", "weighted")
-    assert tiers.kind_weight(cal, "values", 0) == 1.0

@@ -14,8 +14,7 @@ from kvtc.calibration import Calibration, Plan, Recipe, fit_calibration
 from kvtc.calibration.artifact import FORMAT_VERSION
 from kvtc.calibration.digest import content_hash
 from kvtc.calibration.dp import R9_TYPES
-from kvtc.calibration.meta import HALF_BASIS_VERSION
-from kvtc.calibration.recipe import CHOICES, DEFAULT_TOKENS, R12_RATIOS
+from kvtc.calibration.recipe import CHOICES, DEFAULT_TOKENS, R12_RATIOS, RETIRED
 from kvtc.codec import DEFAULT_SINKS
 from kvtc.errors import CalibrationError
 from kvtc.quant import DROP, INT4
@@ -51,7 +50,7 @@ def test_the_same_recipe_on_the_same_rows_gives_the_same_hash(cal, tmp_path):
     assert again.hash == cal.hash and again.model_id != cal.model_id and again.corpus != cal.corpus
     assert _with(cal, library_version="0.0.1", stats={"note": 1}).hash == cal.hash
     back = Calibration.load(again.save(tmp_path / "again.safetensors"))
-    assert back.hash == cal.hash and not back.legacy
+    assert back.hash == cal.hash
     assert back.to_bytes() == again.to_bytes()
     # other rows: another calibration
     assert fit_calibration(LAYOUT, _rows(seed=5), RECIPE, rope=ROPE).hash != cal.hash
@@ -116,14 +115,8 @@ def test_a_checksummed_file_refuses_any_changed_byte(cal, tmp_path):
     data = cal.to_bytes()
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
-    # version 10 (float16 bases) as kvtc writes it now; with float32 bases (a calibration read from an older file)
-    # version 4, or 6 where the plans use fixed-step types (the default types): the same checksummed file
-    assert (
-        meta["version"] == cal.version == HALF_BASIS_VERSION
-        and meta["hash"] == cal.hash
-        and len(meta["checksum"]) == 64
-    )
-    assert _with(cal, basis_dtype=torch.float32).version in (FORMAT_VERSION, 6)
+    assert meta["version"] == cal.version == FORMAT_VERSION == 10 and meta["hash"] == cal.hash
+    assert len(meta["checksum"]) == 64 and cal.pcas["keys"][0].basis.dtype == torch.float16
     # the eigenvalues are no part of the hash, but the checksum covers them
     start, _ = json.loads(data[8 : 8 + n])["keys.0.eigenvalues"]["data_offsets"]
     bad = bytearray(data)
@@ -137,17 +130,68 @@ def test_a_checksummed_file_refuses_any_changed_byte(cal, tmp_path):
         Calibration.from_bytes(edited)
 
 
-def test_older_files_keep_their_hash_and_version():
-    old = Calibration.load(FIX / "calibration.safetensors")
-    assert old.legacy
-    data = (FIX / "calibration.safetensors").read_bytes()
+def _rewritten(data: bytes, edit) -> bytes:
+    """A calibration file's bytes with its kvtc metadata changed by ``edit(meta)`` and the checksum made to match:
+    what an older kvtc could have written."""
+    from safetensors.torch import load, save
+
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
-    assert meta["version"] < 4 and old.hash == meta["hash"] == content_hash(old._meta(), old._tensors())
-    again = Calibration.from_bytes(old.to_bytes())
-    assert again.legacy and again.hash == old.hash
-    # the same content made now is named by the version-4 hash
-    assert _with(old, legacy=False).hash != old.hash
+    edit(meta)
+    tensors = load(data)
+    meta["checksum"] = content_hash(meta, tensors, skip="checksum")
+    return save(tensors, metadata={"kvtc": json.dumps(meta, sort_keys=True)})
+
+
+@pytest.mark.parametrize("version", [1, 3, 4, 9, 11])
+def test_a_file_of_another_format_version_is_refused_with_its_version_and_rebuild(cal, tmp_path, version):
+    data = _rewritten(cal.to_bytes(), lambda meta: meta.update(version=version))
+    with pytest.raises(CalibrationError, match=rf"format version {version}\b.*rebuild it") as e:
+        Calibration.from_bytes(data)
+    assert "kvtc calibrate --model" in str(e.value) and "cached file" in str(e.value)
+    path = tmp_path / "old.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(CalibrationError, match=rf"{path}: a calibration file of format version {version}\b"):
+        Calibration.load(path)
+
+
+def test_a_recorded_recipe_with_a_removed_choice_is_refused(cal):
+    data = cal.to_bytes()
+    assert Calibration.from_bytes(data).hash == cal.hash
+    recorded = {**Recipe().to_dict(), **RETIRED}  # an r16 file records the retired fields at their one value
+    assert Calibration.from_bytes(_rewritten(data, lambda m: m["stats"].update(recipe=recorded))).hash == cal.hash
+    removed = {
+        "rate": "coded",
+        "coder": "zstd",
+        "kv_split": "equal",
+        "split_errors": "weighted",
+        "sensitivity_resolution": "head",
+        "sensitivity_labels": "model",
+        "sampling": "first",
+        "queries": "mean",
+        "token_map": "on",
+        "forward": "float8",
+    }
+    for field, value in removed.items():
+        bad = _rewritten(data, lambda m, f=field, v=value: m["stats"].update(recipe={**recorded, f: v}))
+        with pytest.raises(CalibrationError, match=rf"recipe choice {field}='{value}'.*r9-r15.*rebuild") as e:
+            Calibration.from_bytes(bad)
+        assert "\x1b" not in str(e.value)
+    # a hostile value is shown escaped, whatever its type; a recipe that is no object is free-form and left alone
+    for value in ("\x1b[2J", ["\x1b"], 3):
+        with pytest.raises(CalibrationError, match="rate=") as e:
+            Calibration.from_bytes(_rewritten(data, lambda m, v=value: m["stats"].update(recipe={"rate": v})))
+        assert "\x1b" not in str(e.value)
+    assert Calibration.from_bytes(_rewritten(data, lambda m: m["stats"].update(recipe="r13"))).hash == cal.hash
+
+
+@pytest.mark.parametrize(
+    "field", ["rate", "coder", "kv_split", "split_errors", "sensitivity_resolution", "sensitivity_labels", "sampling"]
+)
+def test_the_removed_recipe_fields_are_no_arguments(field):
+    with pytest.raises(TypeError, match=field):
+        Recipe(**{field: RETIRED[field]})
+    assert field not in Recipe().to_dict()
 
 
 def test_recipe_validation_names_the_field_the_value_and_the_fix():
@@ -155,9 +199,9 @@ def test_recipe_validation_names_the_field_the_value_and_the_fix():
         "ratios": (8, -1),
         "dp_rows": 0,
         "tokens": 2.5,
-        "kv_split": "halves",
         "sensitivity": "adam",
-        "sampling": "last",
+        "queries": "mean",
+        "token_map": "on",
         "types": (99,),
         "sizes": (0,),
         "value_weight": float("nan"),
@@ -171,8 +215,6 @@ def test_recipe_validation_names_the_field_the_value_and_the_fix():
         with pytest.raises(CalibrationError, match=f"recipe field {field}=") as e:
             Recipe(**{field: value})
         assert repr(value) in str(e.value) or field == "window", field
-    with pytest.raises(CalibrationError, match="kv_split='joint'"):
-        Recipe(kv_split="equal", split_errors="weighted")
     with pytest.raises(CalibrationError, match="Recipe"):
         fit_calibration(LAYOUT, _rows(), {"ratios": (8,)})
 
@@ -183,11 +225,10 @@ def test_recipes_are_values_and_the_default_ones_have_names():
     assert Recipe().ratios == tuple(sorted(Recipe().ratios))
     assert Recipe().name == "r16" and Recipe(tokens=4096).name == "r16"
     assert Recipe(sensitivity="none").name == "r16u"
-    # anything else is no named recipe: r15 and before (token map fitted on windows of its own, float32 forwards)
-    # cannot be rebuilt by this code, and their files keep loading as they are
+    # anything else is no named recipe
     assert Recipe(token_map="off").name is None and Recipe(forward="model").name is None
-    assert Recipe(coder="zstd").name is None and Recipe(queries="mean").name is None
-    assert Recipe(ratios=R12_RATIOS).name is None and Recipe(types=R9_TYPES, rate="coded").name is None
+    assert Recipe(queries="none").name is None
+    assert Recipe(ratios=R12_RATIOS).name is None and Recipe(types=R9_TYPES).name is None
     assert Recipe(dp_rows=512).name is None and Recipe(grouping=PCAGrouping("layers", 1)).name is None
     assert Recipe().sinks == DEFAULT_SINKS
     assert all(getattr(Recipe(), field) == allowed[0] for field, allowed in CHOICES.items())
@@ -205,17 +246,18 @@ def test_the_cli_builds_its_recipe_from_the_options():
         return recipe_from_args(build_parser().parse_args(["calibrate", *argv]))
 
     assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r16"
-    assert recipe("--token-map", "off").token_map == "off" and recipe("--token-map", "on").token_map == "on"
-    assert recipe("--queries", "mean").queries == "mean" and recipe("--queries", "mean").name is None
+    assert recipe("--token-map", "off").token_map == "off" and recipe("--token-map", "off").name is None
     assert recipe("--forward", "model").forward == "model" and recipe("--forward", "model").name is None
     assert recipe("--sensitivity", "none").name == "r16u" and recipe("--queries", "none").queries == "none"
     assert recipe("--ratios", "8", "16").ratios == (8.0, 16.0) and recipe("--ratios", "8").name is None
     assert recipe("--types", "paper").name is None and recipe("--value-weight", "1").value_weight == 1.0
-    assert recipe("--rate", "nominal").rate == "nominal" and recipe("--rate", "nominal").name is None
-    assert recipe("--rate", "stored").name == "r16" and recipe("--coder", "zstd").name is None
-    assert recipe("--rate", "coded", "--types", "r9").name is None
+    assert recipe("--types", "r9").name is None
     with pytest.raises(CalibrationError, match="tokens"):
         recipe("--tokens", "-3")
+    for removed in (["--rate", "stored"], ["--coder", "gauss"], ["--kv-split", "joint"], ["--sampling", "spread"],
+                    ["--queries", "mean"], ["--token-map", "on"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            recipe(*removed)
 
 
 def test_load_calibration_resolves_objects_files_and_the_default_name(cal, tmp_path):

@@ -1,5 +1,5 @@
 """Sensitivity-weighted calibration: feature scales from loss gradients, the weighted PCA/DP, the codec's
-encode/decode bases, and the calibration file (format version 2)."""
+encode/decode bases, and the calibration file's feature scales."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration, sensitivity_scales
 from kvtc.calibration.dp import DEFAULT_TYPES, PAPER_TYPES, Plan
-from kvtc.calibration.meta import HALF_BASIS_VERSION
+from kvtc.calibration.meta import FORMAT_VERSION
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError
 from kvtc.quant import INT1S, INT4S, fixed_step
@@ -38,7 +38,7 @@ def _scales() -> dict[str, torch.Tensor]:
     w = torch.ones(P)
     w[:16] = 1e-3
     w[48:] = 20.0
-    return sensitivity_scales({"keys": w, "values": w.clone()}, "head", floor=1e-4, head_dim=16)
+    return sensitivity_scales({"keys": w, "values": w.clone()}, floor=1e-4)
 
 
 def _weighted_err(x: torch.Tensor, xhat: torch.Tensor, s: torch.Tensor) -> float:
@@ -50,30 +50,24 @@ def cals() -> tuple[Calibration, Calibration, dict[str, torch.Tensor]]:
     k, v = _rows(0)
     rows = [(k[i : i + 1024], v[i : i + 1024]) for i in range(0, k.shape[0], 1024)]
     scales = _scales()
-    plain = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512, rate="nominal"))
-    weighted = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512, rate="nominal"), feature_scale=scales)
+    plain = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512))
+    weighted = fit_calibration(LAYOUT, rows, Recipe(ratios=(4, 8), dp_rows=512), feature_scale=scales)
     return plain, weighted, scales
 
 
-def test_sensitivity_scales_normalise_jointly_floor_and_average_per_head() -> None:
-    k = torch.tensor([1.0, 3.0, 0.0, 0.0])  # two heads of head_dim 2
+def test_sensitivity_scales_normalise_each_kind_and_floor() -> None:
+    k = torch.tensor([1.0, 3.0, 0.0, 0.0])
     v = torch.tensor([4.0, 4.0, 8.0, 8.0])
-    s = sensitivity_scales({"keys": k, "values": v}, "head", floor=0.01, head_dim=2, normalize="joint")
-    mean = (2 + 2 + 0 + 0 + 4 + 4 + 8 + 8) / 8  # per-head means, then one mean over keys and values
-    assert torch.allclose(s["keys"], torch.tensor([2 / mean, 2 / mean, 0.01, 0.01]).sqrt())
-    assert torch.allclose(s["values"], torch.tensor([4 / mean, 4 / mean, 8 / mean, 8 / mean]).sqrt())
-    s = sensitivity_scales({"keys": k, "values": v}, "head", floor=0.01, head_dim=2)  # each kind to mean 1
-    assert torch.allclose(s["keys"], torch.tensor([2.0, 2.0, 0.01, 0.01]).sqrt())
+    s = sensitivity_scales({"keys": k, "values": v}, floor=0.01)  # each kind to mean 1, one weight per feature
+    assert torch.allclose(s["keys"], torch.tensor([1.0, 3.0, 0.01, 0.01]).sqrt())
     assert torch.allclose(s["values"], torch.tensor([4 / 6, 4 / 6, 8 / 6, 8 / 6]).sqrt())
-    f = sensitivity_scales({"keys": k, "values": v}, "feature", floor=0.01)
-    assert f["keys"][0] < f["keys"][1]
-    with pytest.raises(CalibrationError, match="normalize"):
-        sensitivity_scales({"keys": k, "values": v}, "head", head_dim=2, normalize="both")
     for bad in ({"keys": k}, {"keys": -k, "values": v}, {"keys": k, "values": torch.zeros(3)}):
         with pytest.raises(CalibrationError):
-            sensitivity_scales(bad, "head", head_dim=2)
+            sensitivity_scales(bad)
     with pytest.raises(CalibrationError, match="zero"):
-        sensitivity_scales({"keys": torch.zeros(4), "values": v}, "head", head_dim=2)
+        sensitivity_scales({"keys": torch.zeros(4), "values": v})
+    with pytest.raises(CalibrationError, match="floor"):
+        sensitivity_scales({"keys": k, "values": v}, floor=0)
 
 
 def test_weighted_calibration_lowers_the_weighted_error_at_the_same_bytes(cals) -> None:
@@ -97,10 +91,11 @@ def test_weighted_calibration_lowers_the_weighted_error_at_the_same_bytes(cals) 
                     float((getattr(kv, kd).double() - getattr(out, kd).double()).square().sum())
                     for kd in ("keys", "values")
                 ),
-                sum(cal.plan(ratio, kd, 0).bits_per_token for kd in ("keys", "values")),  # the plans' bits
+                len(blob),  # the stored rate fits each plan's stored bytes to the target
             )
-        # same bit budget, and each calibration wins on the error it minimises
-        assert abs(got["weighted"][2] / got["plain"][2] - 1) < 0.02, (ratio, got)
+        # about the same bytes (each plan fitted to its target on the calibration's held-out rows: within 15% on
+        # these few synthetic rows), and each calibration wins on the error it minimises by far more than that
+        assert abs(got["weighted"][2] / got["plain"][2] - 1) < 0.15, (ratio, got)
         assert got["weighted"][0] < 0.5 * got["plain"][0], (ratio, got)
         assert got["plain"][1] < got["weighted"][1], (ratio, got)
 
@@ -142,24 +137,14 @@ def test_weighted_calibration_file_roundtrip_and_version(cals, tmp_path) -> None
     back = Calibration.load(path)
     assert back.hash == weighted.hash and back.weighted
     assert torch.equal(back.pcas["keys"][0].scale, weighted.pcas["keys"][0].scale)
-    # version 10 (float16 bases) as kvtc writes them now; with float32 bases (as a file of an older version holds
-    # them) version 6 where the plans use a fixed-step type, 5 where they use the one-bit type (each unknown to the
-    # readers before it), else 4
-    for cal, data in ((weighted, path.read_bytes()), (plain, plain.to_bytes())):
-        assert json.loads(_meta(data))["version"] == HALF_BASIS_VERSION
-        want = 6 if any(fixed_step(t) for t in cal.types) else 5 if INT1S in cal.types else 4
-        wide = dataclasses.replace(cal, basis_dtype=torch.float32)
-        assert json.loads(_meta(wide.to_bytes()))["version"] == want
+    for data in (path.read_bytes(), plain.to_bytes()):
+        assert json.loads(_meta(data))["version"] == FORMAT_VERSION
     assert weighted.stats["kv_split"]["errors"] == "relative"
 
 
-def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
+def test_a_scaled_group_without_its_scale_is_refused(cals) -> None:
     _, weighted, _ = cals
     data = weighted.to_bytes()
-    meta = json.loads(_meta(data))
-    meta["version"] = 1
-    with pytest.raises(CalibrationError, match="version-1"):
-        Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
     # a scaled group whose scale tensor is missing is corrupt, not silently unweighted
     meta = json.loads(_meta(data))
     meta["pca"]["keys"][0]["scaled"] = False
@@ -167,79 +152,16 @@ def test_feature_scales_claimed_by_a_version_1_file_are_refused(cals) -> None:
         Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
 
 
-def test_a_calibration_of_an_older_file_keeps_the_lowest_version_that_holds_it() -> None:
-    # versions 1-3 (the paper's types plain: 1, weighted: 2; ours, int3 and scale-only: 3) are written again for a
-    # calibration read from such a file, with the hash of that version; a calibration made now is version 10 (4 with
-    # float32 bases)
+def test_extended_types_and_one_bit_plans_round_trip() -> None:
     k, v = _rows(0)
-    scales = _scales()
-    plain = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES))
-    weighted = fit_calibration(
-        LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES), feature_scale=scales
-    )
-    ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8, 16), dp_rows=512, types=V4_TYPES), feature_scale=scales)
-    assert not plain.extended_types and not weighted.extended_types and ours.extended_types
-    for cal, version in ((plain, 1), (weighted, 2), (ours, 3)):
-        assert json.loads(_meta(cal.to_bytes()))["version"] == HALF_BASIS_VERSION
-        assert json.loads(_meta(dataclasses.replace(cal, basis_dtype=torch.float32).to_bytes()))["version"] == 4
-        old = Calibration(
-            **{
-                f: getattr(cal, f)
-                for f in ("layout", "grouping", "pcas", "plans", "rope", "model_id", "corpus", "stats")
-            },
-            legacy=True,
-        )
-        data = old.to_bytes()
-        assert json.loads(_meta(data))["version"] == version and "checksum" not in json.loads(_meta(data))
-        back = Calibration.from_bytes(data)
-        assert back.legacy and back.hash == old.hash != cal.hash
-    # a file (of float32 bases, as versions 1-9 hold them) that claims version 2 but whose plans use version-3
-    # types is corrupt
-    ours = dataclasses.replace(ours, basis_dtype=torch.float32)
-    meta = json.loads(_meta(ours.to_bytes()))
-    meta["version"] = 2
-    with pytest.raises(CalibrationError, match="version-2 calibration whose plans or scales need version 3"):
-        Calibration.from_bytes(_with_meta(ours.to_bytes(), json.dumps(meta, sort_keys=True)))
-
-
-def test_a_calibration_with_one_bit_plans_is_version_5_and_a_version_4_claim_is_refused() -> None:
-    # int1s (code 9) is unknown to a version-4 reader: a calibration whose plans use it is written as version 5 (a
-    # version-4 reader refuses it by its version), one without it stays version 4; a file claiming 4 is corrupt
-    k, v = _rows(0)
-    base = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=V4_TYPES), feature_scale=_scales())
+    paper = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=PAPER_TYPES))
+    ours = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512, types=V4_TYPES), feature_scale=_scales())
+    assert not paper.extended_types and ours.extended_types
     plan = Plan(((1, INT4S, 4), (4, INT1S, 2)), clips=(1.0,) * 4 + (0.3125, 0.375))
-    assert dataclasses.replace(base, plans={"8": {"keys": [plan], "values": [plan]}}).version == HALF_BASIS_VERSION
-    base = dataclasses.replace(base, basis_dtype=torch.float32)  # as the versions before 10 hold the bases
-    one_bit = dataclasses.replace(base, plans={"8": {"keys": [plan], "values": [plan]}})
-    assert base.version == 4 and one_bit.version == 5 and INT1S in one_bit.types
-    data = one_bit.to_bytes()
-    assert json.loads(_meta(data))["version"] == 5
-    back = Calibration.from_bytes(data)
+    one_bit = dataclasses.replace(ours, plans={"8": {"keys": [plan], "values": [plan]}})
+    assert one_bit.version == FORMAT_VERSION and INT1S in one_bit.types and one_bit.extended_types
+    back = Calibration.from_bytes(one_bit.to_bytes())
     assert back.hash == one_bit.hash and back.plans["8"]["keys"][0] == plan
-    meta = json.loads(_meta(data))
-    meta["version"] = 4
-    with pytest.raises(CalibrationError, match="version-4 calibration whose plans or scales need version 5"):
-        Calibration.from_bytes(_with_meta(data, json.dumps(meta, sort_keys=True)))
-
-
-def test_weighted_split_sums_the_weighted_errors(cals) -> None:
-    # with scales that keep the loss's K-vs-V proportion, the joint split can sum weighted errors instead
-    k, v = _rows(0)
-    joint = sensitivity_scales(
-        {"keys": torch.full((P,), 1.0), "values": torch.full((P,), 100.0)}, "feature", normalize="joint"
-    )
-    cal = fit_calibration(
-        LAYOUT,
-        [(k, v)],
-        Recipe(ratios=(8,), dp_rows=512, split_errors="weighted", value_weight=1.0),
-        feature_scale=joint,
-    )
-    rel = fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), dp_rows=512), feature_scale=joint)
-    assert cal.stats["kv_split"]["errors"] == "weighted"
-    # values weigh 100x more in the summed error: they get a larger share than the relative split gives them
-    assert cal.stats["kv_split"]["value_share"]["8"][0] > rel.stats["kv_split"]["value_share"]["8"][0]
-    with pytest.raises(CalibrationError, match="split_errors"):
-        fit_calibration(LAYOUT, [(k, v)], Recipe(ratios=(8,), split_errors="weighted"))
 
 
 def test_bad_feature_scales_are_refused() -> None:
@@ -273,7 +195,7 @@ def test_measured_sensitivity_predicts_which_heads_the_loss_feels(smollm2, sotu_
     ranks most sensitive than in the one it ranks least, and the sinks and recent window are not counted."""
     from kvtc.eval.protocols import _prefill
     from kvtc.integrations.hf import extract_slice, rebuild_cache
-    from kvtc.integrations.hf_calibrate import measure_sensitivity, token_windows
+    from kvtc.integrations.hf_calibrate import corpus_windows, measure_sensitivity
     from kvtc.layout import KVSlice
 
     model, tok = smollm2
@@ -289,7 +211,7 @@ def test_measured_sensitivity_predicts_which_heads_the_loss_feels(smollm2, sotu_
     hi, lo = divmod(int(per_head.argmax()), layout.num_kv_heads), divmod(int(per_head.argmin()), layout.num_kv_heads)
     assert float(per_head.max()) > 20 * float(per_head.min())  # far from uniform: weighting has work to do
 
-    ids = next(token_windows(tok, sotu_calib_texts, ctx + cont + 1))
+    ids = next(corpus_windows(tok, sotu_calib_texts, ctx + cont + 1, 1))
     kv = extract_slice(_prefill(model, ids[:ctx]), model)
     targets = ids[ctx + 1 :]
 

@@ -15,7 +15,7 @@ import torch
 from kvtc import KVLayout
 from kvtc.calibration import Calibration, Recipe, fit_calibration
 from kvtc.calibration.artifact import ratio_key
-from kvtc.calibration.meta import HALF_BASIS_VERSION
+from kvtc.calibration.meta import FORMAT_VERSION
 from kvtc.codec import Codec, attention, container, tiers
 from kvtc.errors import CalibrationError, FormatError
 from kvtc.rope import RopeKind, RopeSpec
@@ -181,23 +181,18 @@ def test_unpack_mask_checks_size_padding_and_counts():
                           0.25, "t")  # fmt: skip
 
 
-def test_calibration_with_queries_saves_as_version_7_and_keeps_its_name(cal, tmp_path):
+def test_calibration_with_queries_keeps_its_name(cal, tmp_path):
     plain = dataclasses.replace(cal, queries=None, query_scales=None)
     assert cal.hash == plain.hash  # decoding never reads the queries
-    assert cal.version == plain.version == HALF_BASIS_VERSION  # float16 bases: the file tells the queries
-    wide = dataclasses.replace(cal, basis_dtype=torch.float32)  # float32 bases, as versions 4-9 hold them
-    assert wide.version == 7 and dataclasses.replace(wide, queries=None, query_scales=None).version < 7
-    assert Calibration.from_bytes(wide.to_bytes()).version == 7
+    assert cal.version == plain.version == FORMAT_VERSION  # the file, not its version, tells the queries
     back = Calibration.load(cal.save(tmp_path / "c.safetensors"))
     assert torch.equal(back.queries, cal.queries) and torch.equal(back.query_scales, cal.query_scales)
     assert back.hash == cal.hash
     blob = Codec(cal, 8).encode(tiered_slice())
     assert torch.equal(Codec(plain, 8).decode(blob).keys, Codec(cal, 8).decode(blob).keys)
     assert Codec(plain, 8).tiers is None and Codec.inspect(Codec(plain, 8).encode(tiered_slice()))["tiers"] is None
-    with pytest.raises(CalibrationError, match="mean queries"):
-        Codec(plain, 8, tiers=(4, 12))
-    with pytest.raises(CalibrationError, match="no bit plan for ratio 6"):
-        Codec(cal, 8, tiers=(6, 12))
+    with pytest.raises(ValueError, match="'auto', 'two' or 'none'"):
+        Codec(cal, 8, tiers=(4, 12))  # explicit tier pairs were a study's knob
     assert Codec(cal, 4).tiers is None  # no plans at 2 and 6: one plan for every token
     with pytest.raises(CalibrationError, match="mean queries must be"):
         dataclasses.replace(cal, queries=cal.queries[:, :1])
@@ -288,13 +283,11 @@ def test_a_map_without_weights_ranks_as_the_mean_queries(cal):
     assert torch.allclose(q, want.reshape(q.shape), atol=1e-5) and q.shape == (2, 3, 3, LAYOUT.num_kv_heads * G, D)
 
 
-def test_calibration_with_a_query_map_saves_as_version_8(cal, tmp_path):
+def test_calibration_with_a_query_map_keeps_its_name(cal, tmp_path):
     mapped = _with_map(cal, 0.1)
-    assert mapped.version == HALF_BASIS_VERSION and mapped.hash == cal.hash  # decoding never reads it
+    assert mapped.version == FORMAT_VERSION and mapped.hash == cal.hash  # decoding never reads it
     back = Calibration.load(mapped.save(tmp_path / "m.safetensors"))
-    assert back.version == HALF_BASIS_VERSION and torch.equal(back.query_map, mapped.query_map)
-    wide = Calibration.from_bytes(dataclasses.replace(mapped, basis_dtype=torch.float32).to_bytes())
-    assert wide.version == 8 and torch.equal(wide.query_map, mapped.query_map)  # float32 bases: as versions 4-9
+    assert back.version == FORMAT_VERSION and torch.equal(back.query_map, mapped.query_map)
     blob = Codec(back, 8).encode(tiered_slice())
     assert Codec.inspect(blob)["rungs"] is not None  # the default: the rate ladder
     assert torch.equal(Codec(cal, 8).decode(blob).keys, Codec(back, 8).decode(blob).keys)

@@ -87,7 +87,7 @@ def test_cross_fitted_maps_do_not_flatter_the_rows_they_residualise():
     g = torch.Generator().manual_seed(3)
     vocab, dim, p, tokens = 400, 48, 16, 120
     emb = torch.randn(vocab, dim, generator=g)
-    fit = TokenMapFit(emb, p, measure=False)
+    fit = TokenMapFit(emb, p)
     windows = []
     for i in range(8):
         ids = torch.randint(0, vocab, (tokens,), generator=g)
@@ -124,7 +124,7 @@ def _fixture():
 
 def test_fixture_decodes_and_reencodes_byte_exactly():
     cal, emb, kv, blob = _fixture()
-    assert cal.version == 9 and cal.token_map is not None
+    assert cal.version == 10 and cal.token_map is not None
     info = Codec.inspect(blob)
     assert info["version"] == 5 and [s["name"] for s in info["sections"]][:2] == ["positions", "tokens"]
     codec = Codec(cal, ratio=8, sinks=2, window=4, embeddings=emb)
@@ -175,19 +175,16 @@ def test_every_byte_flip_of_the_token_ids_is_rejected():
         raise AssertionError("no tokens section")
 
 
-def test_calibration_metadata_keeps_token_maps_in_version_9():
+def test_calibration_metadata_checks_its_token_map():
     raw = Calibration.load(FIX / "calibration.safetensors")
     meta = raw._meta()
     read_meta(json.dumps(meta), "x")  # as written: accepted
     for change in (
-        {"version": 8},  # a token map in a lower version
+        {"version": 9},  # an older file: refused by its version
         {"token_map": {"lags": 3, "vocab": 64}},  # fields missing
         {"token_map": {"lags": 99, "vocab": 64, "gain": {}}},  # out of range
-        {"token_map": None},  # version 9 without its map
     ):
         bad = {**meta, **change}
-        if bad.get("token_map") is None:
-            bad.pop("token_map")
         with pytest.raises(CalibrationError):
             read_meta(json.dumps(bad), "x")
     # a map of the wrong shape is refused when the calibration is built

@@ -3,33 +3,37 @@
 Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
 
 * ``{kind}.{g}.mean``        float32 ``[p_g]``
-* ``{kind}.{g}.basis``       float16 ``[k, p_g]`` — rows are components (the one orientation in kvtc); float32 in
-  a file of format version 1-9. A calibration rounds a fitted float32 basis to float16 when it is made (format
-  version 10), so the object a fit returns holds what its file holds and has the same ``hash``: a blob encoded
-  with it decodes with the file. A coder takes the basis to float32 (:meth:`~kvtc.calibration.pca.PCAResult.coder_basis`)
+* ``{kind}.{g}.basis``       float16 ``[k, p_g]`` — rows are components (the one orientation in kvtc). A
+  calibration rounds a fitted float32 basis to float16 when it is made, so the object a fit returns holds what its
+  file holds and has the same ``hash``: a blob encoded with it decodes with the file. A coder takes the basis to
+  float32 (:meth:`~kvtc.calibration.pca.PCAResult.coder_basis`)
   and computes in float32; the rounding (at most 2^-11 relative per entry) moves a projection and reconstruction
   by about 1e-7 of the signal's energy, far below any plan's quantization error
 * ``{kind}.{g}.eigenvalues`` float32 ``[k]``
-* ``{kind}.{g}.scale``       float32 ``[p_g]``, positive — only in a sensitivity-weighted calibration (format
-  version 2): the group's PCA was fitted on rows ``x ∘ scale`` (see :class:`~kvtc.calibration.pca.PCAResult`)
+* ``{kind}.{g}.scale``       float32 ``[p_g]``, positive — only in a sensitivity-weighted calibration: the group's
+  PCA was fitted on rows ``x ∘ scale`` (see :class:`~kvtc.calibration.pca.PCAResult`)
 * ``queries`` float32 ``[layers, heads, G, head_dim]`` and ``queries.scale`` float32 ``[layers]`` — only in a
-  calibration that records its mean queries (format version 7): each attention head's mean pre-RoPE query over the
+  calibration that records its mean queries: each attention head's mean pre-RoPE query over the
   calibration corpus (``G`` query heads per KV head) and the attention's logit scale per layer. The encoder ranks
   tokens by the attention they receive (:mod:`kvtc.codec.tiers`); decoding never reads them, so they are no part of
   the calibration's ``hash``
 * ``queries.map`` float32 ``[layers, heads, head_dim + 1, G · head_dim]`` — only beside ``queries``, in a calibration
-  that also records the key-to-query map (format version 8): ``[pre-RoPE key, 1] @ map[layer, head]`` predicts the
+  that also records the key-to-query map: ``[pre-RoPE key, 1] @ map[layer, head]`` predicts the
   pre-RoPE queries of the ``G`` query heads that read that KV head (a ridge regression on the calibration corpus).
   Encoder-only as well
 * ``tokens.mean``, ``tokens.std``, ``tokens.probe``, ``tokens.keys``, ``tokens.values`` — only in a calibration
-  that carries a token map (format version 9; :mod:`kvtc.calibration.token_map`): the codec codes each token's
+  that carries a token map (:mod:`kvtc.calibration.token_map`): the codec codes each token's
   K/V less the map's prediction from its token ids, so they are part of the hash
 
 The metadata key ``kvtc`` holds JSON: format name and version, library version, layout, PCA grouping,
 RoPE spec (as the model adapter serialised it, or null), model id, corpus description, per-ratio bit plans
 per kind and group, free-form statistics, ``hash`` (the calibration's name: what decoding depends on) and
 ``checksum`` (the whole file), see :mod:`kvtc.calibration.digest`. Loading recomputes both and validates every
-shape before anything is used; it never executes code (no pickle).
+shape before anything is used; it never executes code (no pickle). The format version is
+:data:`~kvtc.calibration.meta.FORMAT_VERSION` (10); a calibration whose recorded recipe (``stats["recipe"]``) holds
+a choice the current :class:`~kvtc.calibration.recipe.Recipe` lacks is refused too
+(:func:`~kvtc.calibration.recipe.check_recorded`). Older recipes (r9-r15) and files (versions 1-9) are refused:
+rebuild.
 """
 
 from __future__ import annotations
@@ -49,21 +53,13 @@ from .. import __version__
 from ..errors import CalibrationError, CalibrationMismatch, LayoutError
 from ..fileio import write_atomic
 from ..layout import KVLayout, PCAGrouping
+from ..quant import DROP
 from ..textsafe import printable
 from .digest import content_hash, decoding_hash
-from .meta import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    header_length,
-    kvtc_meta,
-    needed_version,
-    read_header,
-    saved_version,
-    stored_basis_dtype,
-    tensor_names,
-)
+from .meta import FORMAT_NAME, FORMAT_VERSION, header_length, kvtc_meta, read_header, tensor_names
 from .pca import PCAResult
-from .plan import Plan
+from .plan import PAPER_TYPES, Plan
+from .recipe import check_recorded
 from .token_map import TokenMap
 from .validation import check_tensors, shard, validate
 
@@ -83,8 +79,7 @@ class Calibration:
     """Everything the codec needs about a model: PCA bases and bit plans, per kind and PCA group.
 
     ``pcas[kind][g]`` is a :class:`PCAResult`; ``plans[ratio_key][kind][g]`` a :class:`Plan`. Each basis is held
-    in :attr:`basis_dtype` (float16 unless the calibration was read from an older file): a float32 one given to the
-    constructor is rounded to it there, once.
+    in float16: a float32 one given to the constructor is rounded to it there, once.
     """
 
     layout: KVLayout
@@ -96,8 +91,6 @@ class Calibration:
     corpus: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
     library_version: str = __version__
-    #: read from a file of version 1-3: keeps that file's hash (blobs name it) and is saved in that version again
-    legacy: bool = False
     #: ``[layers, heads, G, head_dim]`` mean pre-RoPE query per attention head (None: not recorded; blobs then
     #: spend one plan on every middle token) and ``[layers]`` logit scales
     queries: torch.Tensor | None = None
@@ -105,10 +98,6 @@ class Calibration:
     query_map: torch.Tensor | None = None
     #: the prediction of each token's K/V from its token ids that the codec codes the residual of (None: none)
     token_map: TokenMap | None = None
-    #: the dtype the PCA bases are held and stored in: float16 (format version 10; None means it), or float32 for a
-    #: calibration read from a file of version 1-9 (``legacy`` ones included), whose bases are kept as the file
-    #: holds them (its hash names them) and which is saved in its version again
-    basis_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self._columns = self.grouping.columns(self.layout)
@@ -117,21 +106,12 @@ class Calibration:
         self.hash = self._compute_hash()
 
     def _round_bases(self) -> None:
-        """Settle :attr:`basis_dtype` and hold every basis in it (rounding a float32 one to float16): what the file
-        will store, so that a calibration and its saved file have one hash. ``pcas`` is rebuilt, never changed in
-        place (the caller's lists and results stay as they were); malformed ``pcas`` are left to :meth:`validate`."""
-        if self.basis_dtype is None:
-            self.basis_dtype = torch.float32 if self.legacy else torch.float16
-        if self.basis_dtype not in (torch.float16, torch.float32):
-            raise CalibrationError(f"basis_dtype must be torch.float16 or torch.float32, not {self.basis_dtype}")
-        if self.legacy and self.basis_dtype != torch.float32:
-            raise CalibrationError(
-                "a calibration read from a file of version 1-3 (legacy) keeps its float32 bases; pass legacy=False "
-                "to make a new calibration of float16 bases"
-            )
+        """Hold every basis in float16 (rounding a float32 one): what the file will store, so that a calibration and
+        its saved file have one hash. ``pcas`` is rebuilt, never changed in place (the caller's lists and results
+        stay as they were); malformed ``pcas`` are left to :meth:`validate`."""
         if not isinstance(self.pcas, dict):
             return
-        dtype = self.basis_dtype
+        dtype = torch.float16
         self.pcas = {
             kind: [
                 dataclasses.replace(p, basis=p.basis.to(dtype))
@@ -227,21 +207,13 @@ class Calibration:
 
     @property
     def extended_types(self) -> bool:
-        """True when some plan uses a quantization type beyond the paper's (format version 3)."""
-        return needed_version(self.types, False) >= 3
+        """True when some plan uses a quantization type beyond the paper's (int2, int4, fp8)."""
+        return not self.types <= {DROP, *PAPER_TYPES}
 
     @property
     def version(self) -> int:
-        """The format version it is saved in (:func:`~kvtc.calibration.meta.saved_version`)."""
-        return saved_version(
-            self.types,
-            self.weighted,
-            self.legacy,
-            self.queries is not None,
-            self.query_map is not None,
-            self.token_map is not None,
-            self.basis_dtype == torch.float16,
-        )
+        """The format version it is saved in (:data:`~kvtc.calibration.meta.FORMAT_VERSION`)."""
+        return FORMAT_VERSION
 
     def feature_scale(self, kind: str) -> torch.Tensor | None:
         """The ``[p]`` feature scale of ``kind`` over the whole layout (None when unweighted)."""
@@ -307,8 +279,6 @@ class Calibration:
         return out
 
     def _compute_hash(self) -> str:
-        if self.legacy:
-            return content_hash(self._meta(), self._tensors())
         decoding = {n: t for n, t in self._tensors().items() if not n.startswith("queries")}
         return decoding_hash(self.layout, self.grouping, self.rope, self.plans, decoding)
 
@@ -316,8 +286,7 @@ class Calibration:
         meta = self._meta()
         meta["hash"] = self.hash
         tensors = self._tensors()
-        if not self.legacy:
-            meta["checksum"] = content_hash(meta, tensors, skip="checksum")
+        meta["checksum"] = content_hash(meta, tensors, skip="checksum")
         return save(tensors, metadata={"kvtc": json.dumps(meta, sort_keys=True)})
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -381,10 +350,8 @@ class Calibration:
 
     @classmethod
     def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], source: str) -> Calibration:
-        # the bases' dtype is the one the file's version declares, strictly (float16 from version 10)
-        version = meta.get("version")
-        basis_dtype = stored_basis_dtype(version) if isinstance(version, int) else torch.float32
-        check_tensors(tensors, source, basis_dtype)
+        check_recorded(meta.get("stats", {}).get("recipe"), source)
+        check_tensors(tensors, source)
         try:
             layout = KVLayout.from_dict(meta["layout"])
             grouping = PCAGrouping.from_dict(meta["grouping"])
@@ -419,12 +386,10 @@ class Calibration:
                 corpus=dict(meta["corpus"]),
                 stats=dict(meta["stats"]),
                 library_version=str(meta["library_version"]),
-                legacy=meta["version"] < FORMAT_VERSION,
                 queries=tensors.get("queries"),
                 query_scales=tensors.get("queries.scale"),
                 query_map=tensors.get("queries.map"),
                 token_map=None if meta.get("token_map") is None else TokenMap.from_parts(meta["token_map"], tensors),
-                basis_dtype=basis_dtype,
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
             if isinstance(e, CalibrationError):
@@ -432,13 +397,7 @@ class Calibration:
             raise CalibrationError(
                 f"{source}: malformed calibration ({e!r}); recreate it with `kvtc calibrate`"
             ) from None
-        needed = needed_version(cal.types, cal.weighted)
-        if meta.get("version", 0) < needed:
-            raise CalibrationError(
-                f"{source}: a version-{meta.get('version')} calibration whose plans or scales need version "
-                f"{needed}; the file is corrupt"
-            )
-        if not cal.legacy and content_hash(meta, tensors, skip="checksum") != meta.get("checksum"):
+        if content_hash(meta, tensors, skip="checksum") != meta.get("checksum"):
             raise CalibrationError(
                 f"{source}: checksum mismatch (file corrupt or edited); recalibrate (`kvtc calibrate`)"
             )

@@ -1,17 +1,13 @@
 """The two digests of a calibration file.
 
 * ``hash`` names the calibration: blobs carry it (a blob is decoded only with the calibration that encoded it) and
-  stores key their namespaces by it. From format version 4 it is :func:`decoding_hash`, the SHA-256 of exactly
-  what decoding depends on: layout, PCA grouping, RoPE spec, every plan's segments and clips (by ratio, kind and
-  group) and the ``mean``, ``basis`` and ``scale`` tensors as the file stores them (from format version 10 the
-  basis as float16; its dtype is hashed with its bytes, so a float32 copy of the same bases, as a file of version
-  4-9 holds them, is another calibration). Statistics, timings, corpus notes, model id, library version, eigenvalues, ``total_variance``/``samples`` and the DP's predicted errors are left out, so
-  recalibrating the same recipe on the same data gives the same hash.
-* ``checksum`` (version 4) guards the file: :func:`content_hash` over all the metadata but the checksum itself
-  and every tensor, so a changed byte anywhere is refused on load.
-
-Versions 1-3 had one digest, ``hash``, defined as :func:`content_hash` over all their metadata: a calibration
-read from such a file keeps it (blobs made with it still decode) and is saved in its own version again.
+  stores key their namespaces by it. It is :func:`decoding_hash`, the SHA-256 of exactly what decoding depends on:
+  layout, PCA grouping, RoPE spec, every plan's segments and clips (by ratio, kind and group) and the ``mean``,
+  ``basis`` (float16) and ``scale`` tensors as the file stores them (each dtype hashed with its bytes). Statistics,
+  timings, corpus notes, model id, library version, eigenvalues, ``total_variance``/``samples`` and the DP's
+  predicted errors are left out, so recalibrating the same recipe on the same data gives the same hash.
+* ``checksum`` guards the file: :func:`content_hash` over all the metadata but the checksum itself and every
+  tensor, so a changed byte anywhere is refused on load.
 """
 
 from __future__ import annotations

@@ -20,16 +20,7 @@ from ..layout import KVLayout
 from .artifact import KINDS, Calibration, ratio_key
 from .dp import ErrorCurve, Plan, budget_for_ratio, error_curve, split_budget
 from .pca import EXACT_MAX_FEATURES, CovarianceAccumulator, PCAResult, randomized_pca
-from .recipe import (
-    CODED_HEADROOM,
-    DEFAULT_RATIOS,
-    DEFAULT_SENSITIVITY_FLOOR,
-    DEFAULT_VALUE_WEIGHT,
-    KV_SPLITS,
-    SENSITIVITY_RESOLUTIONS,
-    STORED_HEADROOM,
-    Recipe,
-)
+from .recipe import DEFAULT_RATIOS, DEFAULT_SENSITIVITY_FLOOR, DEFAULT_VALUE_WEIGHT, STORED_HEADROOM, Recipe
 
 Source = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
 
@@ -82,23 +73,24 @@ def fit_calibration(
     progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """PCA + DP for keys and values and every PCA group, as ``recipe`` says (its fitting fields: ratios,
-    grouping, PCA, DP, K/V split, seed). The basis is cut to the components some plan keeps.
+    grouping, PCA, DP, value weight, seed). The basis is cut to the components some plan keeps.
 
     ``rows`` yields ``(key_rows, value_rows)`` pairs of ``[n, p]`` tensors (a list, or a function returning
     a fresh iterator). The exact PCA consumes it in one pass (so a model forward pass producing the rows
     runs once); the randomized PCA passes over it ``3 + power_iters`` times per kind and needs a function.
 
-    ``recipe.kv_split``: ``"joint"`` gives keys and values of each PCA group one shared budget of ``2·16p/CR``
-    bits per token and splits it where ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the
-    calibration rows) is least; ``"equal"`` gives each ``16p/CR`` (the paper's rule applied per kind).
+    Keys and values of each PCA group share one budget of ``2·16p/CR`` bits per token, split where
+    ``err_K/E_K + value_weight·err_V/E_V`` (relative errors measured on the calibration rows) is least. The DP
+    counts each candidate group's expected stored bits (its symbols' entropy on the calibration rows); each plan is
+    then the largest whose sections, entropy coded as in a blob (fixed-step planes under their components'
+    Gaussians), fit the ratio's budget less :data:`~kvtc.calibration.recipe.STORED_HEADROOM` on held-out rows
+    (:func:`stored_plan`).
 
     ``feature_scale`` (ours): ``{"keys": [p], "values": [p]}`` positive scales (see :func:`sensitivity_scales`;
     :func:`~kvtc.integrations.hf_calibrate.calibrate_model` measures them when ``recipe.sensitivity="fisher"``;
     without them the fit is the paper's plain squared error whatever ``recipe.sensitivity`` says);
     the PCA and the DP then run on ``x ∘ scale``, so the squared error they minimise is weighted by
     ``scale²``, the loss's sensitivity to each feature; the energies and errors above are then weighted ones.
-    ``recipe.split_errors="weighted"`` splits on ``err_K + value_weight·err_V`` instead of relative errors (for
-    scales that keep the loss's own K-vs-V proportion, ``sensitivity_scales(..., normalize="joint")``).
 
     ``rope`` (the model's RoPE spec), ``model_id`` and ``corpus`` (free-form notes) are stored as given.
     """
@@ -109,14 +101,8 @@ def fit_calibration(
         )
     say = progress or (lambda _msg: None)
     p = layout.num_features
-    ratios, dp_rows, kv_split, value_weight = recipe.ratios, recipe.dp_rows, recipe.kv_split, recipe.value_weight
-    split_errors, seed = recipe.split_errors, recipe.seed
+    ratios, dp_rows, value_weight, seed = recipe.ratios, recipe.dp_rows, recipe.value_weight, recipe.seed
     scales = _check_scales(feature_scale, p)
-    if split_errors == "weighted" and not scales:
-        raise CalibrationError(
-            "recipe split_errors='weighted' compares sensitivity-weighted errors: pass "
-            "feature_scale, or use split_errors='relative'"
-        )
     if scales:
         rows = _scaled_source(rows, scales["keys"], scales["values"])
     cols = recipe.grouping.columns(layout)
@@ -124,9 +110,8 @@ def fit_calibration(
     use_exact = recipe.method == "exact" or (recipe.method == "auto" and widest <= EXACT_MAX_FEATURES)
     if not use_exact and not callable(rows):
         raise CalibrationError("randomized PCA passes over the rows several times: pass a function returning them")
-    # the stored rate measures each plan's stored bits on rows the DP did not see (as many again, disjoint)
-    held_out = recipe.rate == "stored"
-    reservoirs = {kind: _Reservoir(dp_rows * (2 if held_out else 1), seed + i) for i, kind in enumerate(KINDS)}
+    # each plan's stored bits are measured on rows the DP did not see (as many again, disjoint)
+    reservoirs = {kind: _Reservoir(dp_rows * 2, seed + i) for i, kind in enumerate(KINDS)}
     results: dict[str, list[PCAResult]] = {}
     stats: dict[str, Any] = {"dp_rows": dp_rows, "seconds": {}, "predicted_relative_error": {}}
     t0 = time.perf_counter()
@@ -158,12 +143,7 @@ def fit_calibration(
     stats["seconds"]["pca"] = round(time.perf_counter() - t0, 3)
     pcas: dict[str, list[PCAResult]] = {}
     plans: dict[str, dict[str, list[Plan]]] = {ratio_key(r): {kind: [] for kind in KINDS} for r in ratios}
-    stats["kv_split"] = {
-        "mode": kv_split,
-        "value_weight": value_weight if kv_split == "joint" else None,
-        "errors": split_errors,
-        "value_share": {},
-    }
+    stats["kv_split"] = {"mode": "joint", "value_weight": value_weight, "errors": "relative", "value_share": {}}
     t0 = time.perf_counter()
     for kind in KINDS:
         res = reservoirs[kind]
@@ -171,16 +151,12 @@ def fit_calibration(
             raise CalibrationError("no calibration rows were given")
     dp_sample = {kind: reservoirs[kind].split(dp_rows) for kind in KINDS}
     keep = {kind: [0] * len(cols) for kind in KINDS}
-    share = 2.0 if kv_split == "joint" else 1.0
-    coded = recipe.rate in ("coded", "stored")
-    dp_rate = "nominal" if recipe.rate == "nominal" else "coded"
     for g, c in enumerate(cols):
         curves: dict[str, ErrorCurve] = {}
         energy: dict[str, float] = {}
         resid: dict[str, float] = {}
         kept_rows: dict[str, torch.Tensor] = {}
-        headroom = STORED_HEADROOM if recipe.rate == "stored" else CODED_HEADROOM if coded else 0.0
-        budgets = [budget_for_ratio(c.numel(), r) * (1 - headroom) for r in ratios]
+        budgets = [budget_for_ratio(c.numel(), r) * (1 - STORED_HEADROOM) for r in ratios]
         for kind in KINDS:
             pca = results[kind][g]
             sample, held = dp_sample[kind]
@@ -189,33 +165,20 @@ def fit_calibration(
             energy[kind] = max(float(x.double().square().sum()), 1e-30)
             resid[kind] = max(energy[kind] - float(coeffs.double().square().sum()), 0.0)
             say(f"{kind}: bit allocation table for group {g}")
-            curves[kind] = error_curve(coeffs, share * max(budgets), recipe.sizes, recipe.types, rate=dp_rate)
-            if recipe.rate == "stored":
-                # held-out rows: the DP's own rows would flatter its choices (each rung was picked where it was cheap)
-                kept_rows[kind] = (held[:, c] - pca.mean) @ pca.basis.T if held.shape[0] >= 2 else coeffs
+            curves[kind] = error_curve(coeffs, 2 * max(budgets), recipe.sizes, recipe.types, rate="coded")
+            # held-out rows: the DP's own rows would flatter its choices (each rung was picked where it was cheap)
+            kept_rows[kind] = (held[:, c] - pca.mean) @ pca.basis.T if held.shape[0] >= 2 else coeffs
             del x, coeffs
         for r, budget in zip(ratios, budgets):
-            if kv_split == "joint" and split_errors == "weighted":
-                bk, bv = split_budget(curves["keys"], curves["values"], 2 * budget, 1.0, value_weight)
-            elif kv_split == "joint":
-                bk, bv = split_budget(
-                    curves["keys"], curves["values"], 2 * budget, 1.0 / energy["keys"], value_weight / energy["values"]
-                )
-            else:
-                bk = bv = budget
+            bk, bv = split_budget(
+                curves["keys"], curves["values"], 2 * budget, 1.0 / energy["keys"], value_weight / energy["values"]
+            )
             stats["kv_split"]["value_share"].setdefault(ratio_key(r), []).append(round(bv / max(bk + bv, 1e-30), 4))
             for kind, b in (("keys", bk), ("values", bv)):
-                if recipe.rate == "stored":
-                    plan = stored_plan(
-                        curves[kind],
-                        kept_rows[kind],
-                        b,
-                        eigenvalues=pca.eigenvalues if recipe.coder == "gauss" else None,
-                        ratio_budget_bits=budget,
-                        kv_split=kv_split,
-                    )
-                else:
-                    plan = curves[kind].plan(b, ratio_budget_bits=budget, kv_split=kv_split)
+                plan = stored_plan(
+                    curves[kind], kept_rows[kind], b, eigenvalues=pca.eigenvalues, ratio_budget_bits=budget,
+                    kv_split="joint",
+                )  # fmt: skip
                 plans[ratio_key(r)][kind].append(plan)
                 keep[kind][g] = max(keep[kind][g], plan.kept_components)
                 stats["predicted_relative_error"].setdefault(ratio_key(r), {}).setdefault(kind, []).append(
@@ -273,7 +236,7 @@ def stored_plan(
     eigenvalues: torch.Tensor | None = None,
     **meta: Any,
 ) -> Plan:
-    """``rate="stored"``: the plan of the largest budget whose sections, as the codec stores them
+    """The plan of the largest budget whose sections, as the codec stores them
     (:func:`stored_bits` on ``coeffs``: calibration rows the DP did not see; ``eigenvalues``: the PCA's, for the
     fixed-step planes' Gaussians), fit ``budget_bits``. The coded rate counts each component's own symbol
     entropy, while a blob's entropy coder has one table per section (a type's plane of every component it codes), so
@@ -309,25 +272,15 @@ def stored_plan(
 
 
 def sensitivity_scales(
-    sensitivity: Mapping[str, torch.Tensor],
-    resolution: str = "feature",
-    floor: float = DEFAULT_SENSITIVITY_FLOOR,
-    head_dim: int | None = None,
-    normalize: str = "kind",
+    sensitivity: Mapping[str, torch.Tensor], floor: float = DEFAULT_SENSITIVITY_FLOOR
 ) -> dict[str, torch.Tensor]:
     """Feature scales for :func:`fit_calibration` from per-feature sensitivities (mean squared gradients of
     the loss, ``{"keys": [p], "values": [p]}``, e.g. from
     :func:`kvtc.integrations.hf_calibrate.measure_sensitivity`).
 
-    Weights are averaged over each KV head's ``head_dim`` features when ``resolution="head"``, normalised to mean
-    1 per kind (``normalize="kind"``: the budget split between keys and values stays on relative errors) or by
-    one constant over keys and values (``"joint"``: the loss's own K-vs-V proportion, for
-    ``split_errors="weighted"``), raised to at least ``floor`` and returned as ``sqrt(weight)``.
+    One weight per feature, normalised to mean 1 per kind (the budget split between keys and values stays on
+    relative errors), raised to at least ``floor`` and returned as ``sqrt(weight)``.
     """
-    if normalize not in ("kind", "joint"):
-        raise CalibrationError(f"normalize must be 'kind' or 'joint', got {normalize!r}")
-    if resolution not in SENSITIVITY_RESOLUTIONS:
-        raise CalibrationError(f"unknown sensitivity resolution {resolution!r}; use one of {SENSITIVITY_RESOLUTIONS}")
     if not floor > 0:
         raise CalibrationError(f"sensitivity floor must be positive, got {floor}")
     w = {}
@@ -335,17 +288,10 @@ def sensitivity_scales(
         t = sensitivity.get(kind)
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
             raise CalibrationError(f"sensitivity of {kind} must be a finite non-negative [p] tensor")
-        t = t.double()
-        if resolution == "head":
-            if not head_dim or t.numel() % head_dim:
-                raise CalibrationError(f"per-head sensitivity needs head_dim dividing p={t.numel()}")
-            t = t.reshape(-1, head_dim).mean(1, keepdim=True).expand(-1, head_dim).reshape(-1)
-        w[kind] = t
+        w[kind] = t.double()
     if w["keys"].shape != w["values"].shape:
         raise CalibrationError("key and value sensitivities differ in length")
     means = {kind: float(w[kind].mean()) for kind in KINDS}
-    if normalize == "joint":
-        means = dict.fromkeys(KINDS, float(torch.cat([w["keys"], w["values"]]).mean()))
     if not all(m > 0 for m in means.values()):
         raise CalibrationError("sensitivities are all zero: the loss did not reach the cache (check the model)")
     return {kind: (w[kind] / means[kind]).clamp(min=floor).sqrt().float() for kind in KINDS}
@@ -407,7 +353,6 @@ __all__ = [
     "DEFAULT_SENSITIVITY_FLOOR",
     "DEFAULT_VALUE_WEIGHT",
     "KINDS",
-    "KV_SPLITS",
     "Recipe",
     "fit_calibration",
     "sensitivity_scales",

@@ -15,11 +15,9 @@ import math
 from collections import Counter
 from typing import Any
 
-import torch
-
 from ..errors import CalibrationError
 from ..layout import DTYPES, MAX_TOKENS, PCAGrouping
-from ..quant import DROP, FIXED_TYPES, FP8, INT1S, INT2, INT4, TYPE_NAMES
+from ..quant import TYPE_NAMES
 from ..textsafe import printable
 from .plan import MAX_STEP, MIN_STEP
 
@@ -72,73 +70,10 @@ MAX_TENSORS = 1 << 17
 MAX_META_ENTRIES = 64
 
 
-#: Calibration file versions. 1: unweighted; 2: some PCA group carries a feature scale (a version-1 reader must
-#: refuse it: ignoring the scale would decode garbage); 3: some plan uses a quantization type beyond the paper's
-#: (int3 or a scale-only type, codes 4-8; an older reader refuses the file by its version instead of failing on an
-#: unknown type); each was the lowest version that could hold the calibration. 4 (any content): the hash names
-#: what decoding depends on, a checksum guards the rest; written unless the calibration came from an older file.
-#: 5: version 4 whose plans use the 1-bit type int1s (code 9), which a version-4 reader does not know (a
-#: calibration without it is still written as version 4, byte for byte as before).
-#: 6: version 4 or 5 whose plans use a fixed-step type (int2f / int4f / int8f, codes 10-12: the plan's per-group
-#: values are then steps, not clips in (0, 1]).
-#: 7: any of 4-6 that also records each head's mean query (tensors ``queries`` and ``queries.scale``, metadata
-#: ``queries``), which the encoder's token-adaptive rates read; a calibration without them is written as before.
-#: 8: version 7 that also records the key-to-query map (tensor ``queries.map``, metadata ``queries`` ``map``).
-#: 9: any of 4-8 that also carries a token map (tensors ``tokens.*``, metadata ``token_map``:
-#: :mod:`kvtc.calibration.token_map`), which decoding needs; a calibration without one is written as before.
-#: 10 (any content of 4-9): every PCA basis is stored as float16 (float32 in 1-9), half the file; what kvtc writes
-#: now. A version-9 reader refuses it by its version instead of reading a float16 basis where it wants float32.
-#: Its content is told by the file, not the version: plan types, ``queries`` (``map`` or not) and ``token_map`` as
-#: in 4-9. A calibration read from a file of 1-9 keeps its float32 bases and is written in that version again.
-FORMAT_VERSION = 4
-INT1_VERSION = 5
-FIXED_VERSION = 6
-QUERIES_VERSION = 7
-QUERY_MAP_VERSION = 8
-TOKEN_MAP_VERSION = 9
-HALF_BASIS_VERSION = 10
-READ_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-#: type codes a version-1 or version-2 file may use
-_V2_TYPES = frozenset({DROP, INT2, INT4, FP8})
-
-
-def needed_version(types: frozenset[int], weighted: bool) -> int:
-    """The lowest file version that can hold plans of quantization ``types`` (and feature scales if ``weighted``)."""
-    if types & FIXED_TYPES:
-        return FIXED_VERSION
-    return INT1_VERSION if INT1S in types else 3 if not types <= _V2_TYPES else 2 if weighted else 1
-
-
-def saved_version(
-    types: frozenset[int],
-    weighted: bool,
-    legacy: bool,
-    queries: bool = False,
-    query_map: bool = False,
-    token_map: bool = False,
-    half_basis: bool = False,
-) -> int:
-    """The version a calibration is written in: its old file's lowest version (``legacy``), else 10 when its bases
-    are float16 (``half_basis``: every calibration kvtc makes now), else (float32 bases, read from a file of 4-9)
-    4, 5 or 6, 7 when it records mean queries, 8 when it also records the key-to-query map, 9 when it carries a
-    token map."""
-    if legacy:
-        return needed_version(types, weighted)
-    if half_basis:
-        return HALF_BASIS_VERSION
-    if token_map:
-        return TOKEN_MAP_VERSION
-    if query_map:
-        return QUERY_MAP_VERSION
-    if queries:
-        return QUERIES_VERSION
-    return max(FORMAT_VERSION, needed_version(types, weighted))
-
-
-def stored_basis_dtype(version: int) -> torch.dtype:
-    """The dtype of the ``{kind}.{g}.basis`` tensors of a file of format ``version``: float16 from
-    :data:`HALF_BASIS_VERSION`, float32 before."""
-    return torch.float16 if version >= HALF_BASIS_VERSION else torch.float32
+#: The calibration file format version kvtc writes and reads: 10. Its content is told by the file, not the version:
+#: the plans' quantization types, feature scales (``scaled``), ``queries`` (with ``map`` or not) and ``token_map``.
+#: Older files (versions 1-9) are refused: rebuild.
+FORMAT_VERSION = 10
 
 
 def parse_json(raw: Any, source: Any, limit: int = MAX_META_BYTES) -> Any:
@@ -254,7 +189,7 @@ def scan_json(data: bytes, nest: bool = True, runs: bool = True) -> tuple[int, i
     return deepest, longest
 
 
-def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
+def validate_meta(meta: Any, source: Any) -> None:
     """Raise :class:`CalibrationError` (naming the field) unless ``meta`` is well-formed calibration metadata."""
     where = f"{source}: calibration metadata"
     if not isinstance(meta, dict):
@@ -265,10 +200,12 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
             f"{where} has unknown fields {sorted(extra)[:4]}; the file is corrupt or from a newer kvtc"
         )
     version = _int(meta.get("version"), f"{where} 'version'", 0, 1 << 16)
-    if version not in versions:
+    if version != FORMAT_VERSION:
+        newer = "upgrade kvtc or " if version > FORMAT_VERSION else "files of versions 1-9 are refused: "
         raise CalibrationError(
-            f"{source}: calibration format version {version} is not supported by this kvtc "
-            f"(reads versions {', '.join(map(str, versions))}); upgrade kvtc or recalibrate"
+            f"{source}: a calibration file of format version {version}; this kvtc reads version {FORMAT_VERSION} "
+            f"only ({newer}rebuild it with `kvtc calibrate --model ... --out FILE`, or delete the cached file of an "
+            "embedded default: it is rebuilt on first use)"
         )
     for name in ("library_version", "model_id"):
         if name in meta:
@@ -293,15 +230,6 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
         )
     _pca(meta.get("pca"), groups, f"{where} 'pca'")
     _plans(meta.get("plans"), groups, width, f"{where} 'plans'")
-    if version == QUERY_MAP_VERSION and meta.get("queries") is None:
-        raise CalibrationError(f"{where}: a version-{version} file without its 'queries'; the file is corrupt")
-    if (version == TOKEN_MAP_VERSION and meta.get("token_map") is None) or (
-        meta.get("token_map") is not None and version not in (TOKEN_MAP_VERSION, HALF_BASIS_VERSION)
-    ):
-        raise CalibrationError(
-            f"{where}: a token map belongs in a version-9 file (which must have one) or a version-10 file, and only "
-            "there; the file is corrupt"
-        )
     if meta.get("token_map") is not None:
         tm = meta["token_map"]
         if not isinstance(tm, dict) or set(tm) != {"lags", "vocab", "gain"} or not isinstance(tm["gain"], dict):
@@ -314,19 +242,8 @@ def validate_meta(meta: Any, source: Any, versions: tuple[int, ...]) -> None:
             _number(v, f"{where} 'token_map' gain {_show(name)}")
     if meta.get("queries") is not None:
         q = meta["queries"]
-        if version in (TOKEN_MAP_VERSION, HALF_BASIS_VERSION):
-            fields = {"per_kv_head", "map"} if isinstance(q, dict) and "map" in q else {"per_kv_head"}
-        else:
-            fields = {"per_kv_head", "map"} if version >= QUERY_MAP_VERSION else {"per_kv_head"}
-        if (
-            version < QUERIES_VERSION
-            or not isinstance(q, dict)
-            or set(q) != fields
-            or ("map" in fields and q["map"] is not True)
-        ):
-            raise CalibrationError(
-                f"{where} 'queries' is malformed or in a version-{version} file; the file is corrupt"
-            )
+        if not isinstance(q, dict) or set(q) - {"map"} != {"per_kv_head"} or q.get("map", True) is not True:
+            raise CalibrationError(f"{where} 'queries' is malformed; the file is corrupt")
         _int(q["per_kv_head"], f"{where} 'queries' 'per_kv_head'", 1, 1 << 10)
 
 
@@ -580,10 +497,7 @@ def read_meta(raw: Any, source: Any) -> dict[str, Any]:
     meta = parse_json(raw, source)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CalibrationError(f"{source} is not a kvtc calibration")
-    validate_meta(meta, source, READ_VERSIONS)
-    scaled = any(isinstance(i, dict) and i.get("scaled") for k in _KINDS for i in (meta.get("pca") or {}).get(k, []))
-    if scaled and meta.get("version") < 2:
-        raise CalibrationError(f"{source}: feature scales in a version-1 calibration; the file is corrupt")
+    validate_meta(meta, source)
     return meta
 
 

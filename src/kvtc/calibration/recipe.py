@@ -40,14 +40,10 @@ DEFAULT_RATIOS: tuple[float, ...] = (*R12_RATIOS, 144, 192)
 #: (docs/studies/kv-split.md): value errors cost more next-token KL than key errors of the same
 #: relative size, and weight 2 picks the split with the least KL at 8x and 16x.
 DEFAULT_VALUE_WEIGHT = 2.0
-#: share of a coded-rate budget (``rate="coded"``) kept for what the DP's estimate leaves out: the positions and
-#: header (about 0.7% of a Gemma-3-270M blob at 2,048 tokens) and the entropy coder's distance from each
-#: component's order-0 symbol entropy on text it was not fitted on (a 16x target stored 15.8x without it)
-CODED_HEADROOM = 0.03
-#: the same for the stored rate (``rate="stored"``), whose plans fit their budgets on held-out calibration rows: what
-#: is left is the positions and header and the distance between the calibration's text and the coded one (with 3%,
+#: share of a ratio's budget kept for what its plan's stored bits, measured on held-out calibration rows, leave
+#: out: the positions and header and the distance between the calibration's text and the coded one (with 5%,
 #: Gemma-3-270M's plans stored 0.2-0.5% below their 8x, 16x and 24x targets on Wikipedia windows,
-#: docs/studies/history.md, "Quality vs bytes on Gemma-3-270M"), so a little more than the coded rate's
+#: docs/studies/history.md, "Quality vs bytes on Gemma-3-270M")
 STORED_HEADROOM = 0.05
 #: sensitivity weights below this share of the mean are raised to it (a feature the loss barely feels still
 #: gets some precision: the gradient is measured on a few windows and is noisy where it is small)
@@ -60,53 +56,33 @@ SENSITIVITY_CONTINUATION = 256
 CHOICES: dict[str, tuple[str, ...]] = {
     # the PCA: exact up to 8,192 features ("auto"), streamed covariance ("exact"), subspace iteration ("randomized")
     "method": ("auto", "exact", "randomized"),
-    # a ratio's bits: one budget of 2·16p/CR shared by K and V, split where the weighted relative errors are least
-    # ("joint", ours), or 16p/CR each ("equal")
-    "kv_split": ("joint", "equal"),
-    # what the joint split compares: each kind's error over its energy ("relative") or plain sums ("weighted", for
-    # feature scales that keep the loss's own K-vs-V proportion)
-    "split_errors": ("relative", "weighted"),
     # how the PCA weighs features: by the loss's measured sensitivity ("fisher", ours) or not at all ("none": the
-    # paper's plain squared error)
+    # paper's plain squared error, the eval's ablation)
     "sensitivity": ("fisher", "none"),
-    # one sensitivity weight per feature (the least next-token KL on SmolLM2-135M,
-    # docs/studies/sensitivity.md) or per (layer, KV head), the mean of its dimensions
-    "sensitivity_resolution": ("feature", "head"),
-    # the labels whose loss gradients are measured: the text's own ("text": the empirical Fisher) or drawn from the
-    # model ("model": the true Fisher, sampled)
-    "sensitivity_labels": ("text", "model"),
-    # what a ratio's budget counts: the bits the plan's sections take as the codec stores them ("stored", ours: the DP
-    # counts each component's symbol entropy on the calibration rows, then each plan's budget is fitted so that its
-    # sections, entropy coded as in a blob, fit the target), the bits it is expected to store ("coded", ours: the
-    # symbol entropies alone) or each group's packed bits ("nominal", the paper's: the entropy coder's gain, about
-    # 1.1x, comes on top of the target)
-    "rate": ("stored", "coded", "nominal"),
-    # the coder the stored rate fits each plan's sections to: each fixed-step plane under its components' Gaussians
-    # where that is smaller than zstd ("gauss", ours: as the CPU encoder stores them, kvtc.coding.gaussian), or zstd
-    # alone ("zstd": r13 and before)
-    "coder": ("gauss", "zstd"),
-    # calibration windows: seeded across all documents, round-robin over them ("spread"), or consecutive from the
-    # first documents on ("first")
-    "sampling": ("spread", "first"),
     # record each attention head's mean pre-RoPE query over the calibration windows and a map predicting each query
     # from its token's own key ("keys", ours: the encoder's token-adaptive rates rank tokens by the attention the
-    # newest tokens' predicted queries give them, kvtc.codec.tiers), the mean queries alone ("mean": the ranking
-    # uses them) or neither ("none")
-    "queries": ("keys", "mean", "none"),
+    # newest tokens' predicted queries give them, kvtc.codec.tiers) or neither ("none")
+    "queries": ("keys", "none"),
     # the precision of the calibration's forward pass (the K/V rows): the model's own matrix products in bfloat16
     # under autocast ("bfloat16", ours: 1.7-3x faster on CPUs with bf16 instructions, K/V within 0.4% of float32's,
     # docs/studies/calibration-speed.md) or as the model runs ("model")
     "forward": ("bfloat16", "model"),
     # code each token's K/V less a linear prediction from its token ids (kvtc.calibration.token_map): fit the map
-    # and keep it where it saves enough distortion on held-out windows ("auto", ours), always ("on") or never
-    # ("off": r14 and before)
-    "token_map": ("auto", "on", "off"),
+    # and keep it where it saves enough distortion on held-out windows ("auto", ours) or never ("off")
+    "token_map": ("auto", "off"),
 }
-KV_SPLITS = CHOICES["kv_split"]
 SENSITIVITIES = CHOICES["sensitivity"]
-SENSITIVITY_RESOLUTIONS = CHOICES["sensitivity_resolution"]
-SAMPLINGS = CHOICES["sampling"]
-DEFAULT_SAMPLING = "spread"
+#: the fields of older recipes (r9-r15) that the current one no longer has, each with the one value that is now its
+#: only behaviour: a calibration that records another value was made with a removed choice and is refused
+RETIRED: dict[str, str] = {
+    "kv_split": "joint",
+    "split_errors": "relative",
+    "rate": "stored",
+    "coder": "gauss",
+    "sensitivity_resolution": "feature",
+    "sensitivity_labels": "text",
+    "sampling": "spread",
+}
 #: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
 DEFAULT_TOKENS = 100_000
 #: tokens per calibration window (the paper used documents of 1K–32K tokens)
@@ -123,18 +99,20 @@ class Recipe:
     Fitting (:func:`~kvtc.calibration.fit.fit_calibration`): ``ratios`` (target ratios, one bit plan each; kept
     sorted), ``grouping`` (which features share a PCA), ``rank_cap``, ``method``, ``power_iters``, ``oversample``
     (the PCA), ``dp_rows`` (rows the DP measures errors on), ``sizes`` and ``types`` (group sizes and quantization
-    type codes the DP may use), ``kv_split``, ``value_weight``, ``split_errors`` (how K and V share a ratio's bits),
-    ``rate`` (what the budget counts), ``coder`` (what the stored rate measures sections with), ``seed``.
+    type codes the DP may use), ``value_weight`` (of the values' relative error against the keys' where K and V
+    share a ratio's bits), ``seed``.
 
     Collecting (:func:`~kvtc.integrations.hf_calibrate.calibrate_model`): ``tokens`` (calibration rows),
-    ``window`` (tokens per window), ``sinks`` (positions of each window left out), ``sampling``; ``sensitivity``
+    ``window`` (tokens per window), ``sinks`` (positions of each window left out); ``sensitivity``
     (``"fisher"`` weighs features by the loss's sensitivity, ``"none"`` does not) measured on
-    ``sensitivity_windows`` windows of ``sensitivity_context`` + ``sensitivity_continuation`` tokens with
-    ``sensitivity_labels``, resolved per ``sensitivity_resolution`` and floored at ``sensitivity_floor``;
-    ``queries`` (``"keys"``: record each head's mean query and the key-to-query map for the encoder's
-    token-adaptive rates; ``"mean"``: the mean queries alone); ``token_map`` (``"auto"``: fit a map from the token
-    ids to the K/V on windows of the corpus and code each token less its prediction where that saves at least
-    :data:`~kvtc.calibration.token_map.MIN_GAIN` of the distortion on held-out windows; ``"on"``, ``"off"``).
+    ``sensitivity_windows`` windows of ``sensitivity_context`` + ``sensitivity_continuation`` tokens, one weight per
+    feature, floored at ``sensitivity_floor``; ``queries`` (``"keys"``: record each head's mean query and the
+    key-to-query map for the encoder's token-adaptive rates; ``"none"``); ``token_map`` (``"auto"``: fit a map from
+    the token ids to the K/V on windows of the corpus and code each token less its prediction where that saves at
+    least :data:`~kvtc.calibration.token_map.MIN_GAIN` of the distortion on held-out windows; ``"off"``);
+    ``forward``.
+
+    Older recipes (r9-r15) and files (versions 1-9) are refused: rebuild.
     """
 
     ratios: tuple[float, ...] = DEFAULT_RATIOS
@@ -146,19 +124,12 @@ class Recipe:
     dp_rows: int = DEFAULT_DP_ROWS
     sizes: tuple[int, ...] = DEFAULT_SIZES
     types: tuple[int, ...] = DEFAULT_TYPES
-    kv_split: str = "joint"
     value_weight: float = DEFAULT_VALUE_WEIGHT
-    split_errors: str = "relative"
-    rate: str = "stored"
-    coder: str = "gauss"
     sensitivity: str = "fisher"
-    sensitivity_resolution: str = "feature"
     sensitivity_floor: float = DEFAULT_SENSITIVITY_FLOOR
     sensitivity_windows: int = DEFAULT_SENSITIVITY_WINDOWS
     sensitivity_context: int = SENSITIVITY_CONTEXT
     sensitivity_continuation: int = SENSITIVITY_CONTINUATION
-    sensitivity_labels: str = "text"
-    sampling: str = "spread"
     queries: str = "keys"
     token_map: str = "auto"
     forward: str = "bfloat16"
@@ -204,8 +175,6 @@ class Recipe:
                 _bad(name, v, "give a positive finite number")
         if not 1e-3 <= self.value_weight <= 1e3:
             _bad("value_weight", self.value_weight, "give a weight of values against keys between 0.001 and 1000")
-        if self.split_errors == "weighted" and self.kv_split != "joint":
-            _bad("split_errors", self.split_errors, "weighted errors only choose a joint split: set kv_split='joint'")
         if self.window <= self.sinks:
             _bad("window", self.window, f"a calibration window must be longer than the sinks ({self.sinks})")
         if not self.window <= self.tokens <= 1 << 32:
@@ -235,6 +204,27 @@ class Recipe:
         return out
 
 
+def check_recorded(recorded: Any, source: Any) -> None:
+    """Refuse a calibration whose recorded recipe (``stats["recipe"]``, free-form: anything but an object is left
+    alone) holds a choice the current :class:`Recipe` does not have, as a :class:`CalibrationError` that says to
+    rebuild it. A retired field (:data:`RETIRED`) that holds what is now the only behaviour is accepted."""
+    if not isinstance(recorded, dict):
+        return
+    for name, value in recorded.items():
+        allowed = (RETIRED[name],) if name in RETIRED else CHOICES.get(name)
+        if allowed is not None and not (isinstance(value, str) and value in allowed):
+            raise CalibrationError(
+                f"{source}: the calibration was made with recipe choice {name}={_shown(value)}, which this kvtc no "
+                f"longer has (it has {name}={allowed[0]!r}); older recipes (r9-r15) are refused: rebuild it "
+                "(`kvtc calibrate --model ... --out FILE`, or delete the cached file of an embedded default: it is "
+                "rebuilt on first use)"
+            )
+
+
+def _shown(value: Any) -> str:
+    return repr(value[:40]) if isinstance(value, str) else f"a {type(value).__name__}"
+
+
 def _bad(name: str, value: Any, fix: str) -> None:
     raise CalibrationError(f"recipe field {name}={value!r} is not valid: {fix}")
 
@@ -260,7 +250,7 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: by the rate ladder, each token less its token-map prediction where that pays, fixed-step planes sized under their
 #: components' Gaussians, Fisher-weighted features; r16u without the weighting (the eval's ablation). What each
 #: earlier recipe (r9 to r15) added, and why r16 replaced them: docs/studies/history.md and
-#: docs/studies/calibration-speed.md. A calibration file of any recipe keeps loading: its recipe is in its stats.
+#: docs/studies/calibration-speed.md. Older recipes (r9-r15) and files (versions 1-9) are refused: rebuild.
 RECIPES: dict[str, Recipe] = {"r16": Recipe(), "r16u": Recipe(sensitivity="none")}
 DEFAULT_RECIPE = "r16"
 UNWEIGHTED_RECIPE = "r16u"

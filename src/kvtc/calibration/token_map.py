@@ -11,7 +11,7 @@ only where it saves enough on held-out windows (:data:`MIN_GAIN`).
 The map predicts the deviation of a token's K/V from the calibration rows' mean: on the rows it was fitted on its
 predictions average to zero, so the residuals keep the rows' mean, where the PCA centres.
 
-Tensors in a calibration file (format version 9): ``tokens.mean`` and ``tokens.std`` float32 ``[lags · E]`` (the
+Tensors in a calibration file: ``tokens.mean`` and ``tokens.std`` float32 ``[lags · E]`` (the
 standardisation of the features), ``tokens.keys`` and ``tokens.values`` float16 ``[lags · E, p]`` (the map) and
 ``tokens.probe`` float32 ``[PROBE_ROWS, E]`` (the embedding rows :func:`probe_ids` names, to tell the model's
 embeddings from another's). They are part of the calibration's hash: a blob decodes only with the map that
@@ -191,14 +191,11 @@ class TokenMap:
 
 class TokenMapFit:
     """Streams windows (token ids and their K/V rows) into the moments a :class:`TokenMap` is solved from, in two
-    parts: a map solved on either part predicts the other's rows out of sample (cross-fitting), and with
-    ``measure`` the second part's second moments give the gain of the first part's map on rows it was not fitted
-    on (:meth:`gain`)."""
+    parts: a map solved on either part predicts the other's rows out of sample (cross-fitting), and the second
+    part's second moments give the gain of the first part's map on rows it was not fitted on (:meth:`gain`)."""
 
-    def __init__(
-        self, emb: torch.Tensor, features: int, lags: int = LAGS, measure: bool = True, block: int | None = None
-    ) -> None:
-        self.emb, self.lags, self.features, self.measure = emb.detach(), lags, features, measure
+    def __init__(self, emb: torch.Tensor, features: int, lags: int = LAGS, block: int | None = None) -> None:
+        self.emb, self.lags, self.features = emb.detach(), lags, features
         #: the gain's spectra are those of consecutive blocks of this many features (a layer's: the covariance's
         #: diagonal blocks), or of all features at once (None)
         self.block = features if block is None else block
@@ -234,7 +231,7 @@ class TokenMapFit:
             part[k] += (a.T @ y).double()
             part[f"{k}.sum"] += y.double().sum(0)
             part[f"{k}.sq"] += y.double().square().sum(0)
-            if held_out and self.measure:  # the held-out rows' second moments, for the gain's spectra
+            if held_out:  # the held-out rows' second moments, for the gain's spectra
                 self._yy(part, k, y)
 
     @staticmethod

@@ -13,7 +13,7 @@ import torch
 from ..errors import CalibrationError, CalibrationMismatch
 from ..layout import KVLayout, PCAGrouping
 from ..textsafe import printable
-from .meta import _HOSTILE, HALF_BASIS_VERSION
+from .meta import _HOSTILE
 from .token_map import STD_FLOOR
 
 KINDS = ("keys", "values")
@@ -40,7 +40,7 @@ def validate(cal: Any) -> None:
             if pca.scale is not None and pca.scale.shape != (pg,):
                 raise CalibrationError(f"{kind} group {g}: feature scale must be [{pg}]")
             for name, t in (("mean", pca.mean), ("basis", pca.basis), ("eigenvalues", pca.eigenvalues)):
-                want = cal.basis_dtype if name == "basis" else torch.float32
+                want = torch.float16 if name == "basis" else torch.float32
                 if t.dtype != want:
                     raise CalibrationError(f"{kind} group {g}: {name} must be finite {_name(want)}, got {t.dtype}")
     for key, by_kind in cal.plans.items():
@@ -76,7 +76,7 @@ def validate(cal: Any) -> None:
         raise CalibrationError("a key-to-query map comes with the mean queries")
     if cal.token_map is not None:
         cal.token_map.validate(cal.layout.num_features)
-    check_tensors(cal._tensors(), basis_dtype=cal.basis_dtype)
+    check_tensors(cal._tensors())
 
 
 #: what each calibration tensor's values must be, by the last part of its name (``{kind}.{g}.{part}``) or its
@@ -104,23 +104,18 @@ _RULES = {
     "denormal divisor decodes to inf or NaN)",
     "std": "positive finite standard deviations of at least {floor:.4g} (the fit's floor)",
 }
-#: the dtype of the tensors that are not float32 (but the bases, whose dtype the file's version says)
+#: the dtype of the tensors that are not float32
 _DTYPES = {"tokens.keys": torch.float16, "tokens.values": torch.float16}
-#: the format versions that store the PCA bases in each dtype (:func:`~kvtc.calibration.meta.stored_basis_dtype`)
-_BASIS_VERSIONS = {torch.float16: f"{HALF_BASIS_VERSION} or later", torch.float32: f"1 to {HALF_BASIS_VERSION - 1}"}
 
 
 def _role(name: str) -> str:
     return _ROLES.get(name) or _ROLES.get(name.rsplit(".", 1)[-1], "finite")
 
 
-def check_tensors(
-    tensors: Mapping[str, torch.Tensor], source: Any = "calibration", basis_dtype: torch.dtype = torch.float16
-) -> None:
+def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibration") -> None:
     """Raise :class:`CalibrationError` (naming the tensor, and saying to rebuild the calibration) unless every
-    calibration tensor holds values a decode can use: float32 (the token map's weights float16, the PCA bases
-    ``basis_dtype``: float16 in a file of format version 10, float32 before,
-    :func:`~kvtc.calibration.meta.stored_basis_dtype`) and finite;
+    calibration tensor holds values a decode can use: float32 (the token map's weights and the PCA bases float16)
+    and finite;
     eigenvalues zero or a positive normal float; feature scales and query logit scales positive normal floats (no
     zero, negative or denormal value: decoding divides by them or by their reciprocals), the token map's standard
     deviations at least :data:`~kvtc.calibration.token_map.STD_FLOOR`; and, where a PCA group is weighted, its
@@ -133,13 +128,13 @@ def check_tensors(
     for name in sorted(tensors):  # in name order: a file's first bad tensor is named whatever order it was read in
         t = tensors[name]
         basis = name.rpartition(".")[2] == "basis"
-        want = basis_dtype if basis else _DTYPES.get(name, torch.float32)
+        want = torch.float16 if basis else _DTYPES.get(name, torch.float32)
         if not isinstance(t, torch.Tensor) or t.dtype != want:
             got = type(t).__name__ if not isinstance(t, torch.Tensor) else str(t.dtype)
             if basis:
                 raise CalibrationError(
-                    f"{source}: tensor {printable(name)!r} must be {want}, got {got}: a calibration of format version "
-                    f"{_BASIS_VERSIONS.get(want, '?')} stores its PCA bases as {_name(want)}; {_HOSTILE}"
+                    f"{source}: tensor {printable(name)!r} must be {want}, got {got}: a calibration stores its PCA "
+                    f"bases as float16; {_HOSTILE}"
                 )
             raise CalibrationError(
                 f"{source}: tensor {printable(name)!r} must be {want}, got {got}; the file is corrupt: rebuild "
@@ -245,7 +240,6 @@ def shard(cal: Any, heads: tuple[int, ...]) -> Any:
         corpus=cal.corpus,
         stats={**cal.stats, "sharded_from": cal.hash},
         library_version=cal.library_version,
-        basis_dtype=cal.basis_dtype,  # a shard of a calibration read from an older file keeps its float32 bases
         queries=None if cal.queries is None else cal.queries[:, [cal.layout.heads.index(h) for h in heads]],
         query_scales=cal.query_scales,
         query_map=None if cal.query_map is None else cal.query_map[:, [cal.layout.heads.index(h) for h in heads]],

@@ -32,34 +32,10 @@ def add_calibrate(sub: Any) -> None:
     p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
     p.add_argument("--ratios", type=ratio_value, nargs="+", help=RATIOS_HELP)
     p.add_argument(
-        "--kv-split",
-        choices=("joint", "equal"),
-        default="joint",
-        help="joint: keys and values share one bit budget, split where the weighted relative error "
-        "is least (default); equal: the same budget for each",
-    )
-    p.add_argument(
         "--value-weight",
         type=positive_float,
         default=None,
         help="weight of the values' relative error in the joint split (default 2)",
-    )
-    p.add_argument(
-        "--rate",
-        choices=("stored", "coded", "nominal"),
-        default="stored",
-        help="what a ratio's bit budget counts: stored: the bits the plan's sections take once entropy coded as in "
-        "a blob, measured on the calibration rows, so that a blob stores about its target ratio and spends the "
-        "coder's gain on quality (default); coded: each group's expected stored bits (its symbols' entropy) alone; "
-        "nominal: the packed bits, the entropy coder's gain on top (the paper's rule)",
-    )
-    p.add_argument(
-        "--coder",
-        choices=("gauss", "zstd"),
-        default="gauss",
-        help="what the stored rate measures a plan's sections with: gauss: fixed-step planes under their "
-        "components' Gaussians where that beats zstd, as the CPU encoder stores them (default); zstd: zstd alone "
-        "(recipe r13)",
     )
     p.add_argument(
         "--sensitivity",
@@ -67,13 +43,6 @@ def add_calibrate(sub: Any) -> None:
         default="fisher",
         help="fisher: weigh each cached feature by the loss's measured sensitivity before the PCA "
         "and DP (default); none: the paper's plain squared error",
-    )
-    p.add_argument(
-        "--sampling",
-        choices=("spread", "first"),
-        default="spread",
-        help="spread: calibration windows drawn across all the corpus's documents (default); first: "
-        "consecutive windows from its first documents on",
     )
     p.add_argument(
         "--types",
@@ -84,19 +53,19 @@ def add_calibrate(sub: Any) -> None:
     )
     p.add_argument(
         "--queries",
-        choices=("keys", "mean", "none"),
+        choices=("keys", "none"),
         default="keys",
         help="keys: record each attention head's mean query and a map predicting a token's query from its key, so "
         "that encoders spend more bits on the tokens the newest tokens' (predicted) queries read (token-adaptive "
-        "rates; default); mean: rank by the mean queries alone; none: every middle token gets the same plan",
+        "rates; default); none: every middle token gets the same plan",
     )
     p.add_argument(
         "--token-map",
-        choices=("auto", "on", "off"),
+        choices=("auto", "off"),
         default="auto",
         help="code each token's K/V less a linear prediction from its token ids (the blob then carries the ids, and "
         "encoding and decoding need the model's input embeddings): auto (default) fits the map and keeps it where "
-        "it saves enough distortion on held-out windows (Gemma-3-270M and SmolLM2-135M: kept); on; off",
+        "it saves enough distortion on held-out windows (Gemma-3-270M and SmolLM2-135M: kept); off",
     )
     p.add_argument(
         "--forward",
@@ -187,15 +156,8 @@ def _summary(cal: Any, path: Path, seconds: float) -> None:
         f"heads x {cal.layout.head_dim}, ratios {', '.join(f'{r:g}' for r in cal.ratios)}, hash {p(cal.fingerprint)}"
     )
     sens = _obj(cal.corpus.get("sensitivity"))
-    weighting = (
-        f"sensitivity ({p(sens.get('method', '?'), 40)}, per {p(sens.get('resolution', '?'), 40)})"
-        if cal.weighted
-        else "none (plain squared error)"
-    )
+    weighting = f"sensitivity ({p(sens.get('method', '?'), 40)})" if cal.weighted else "none (plain squared error)"
     print(f"  weighting: {weighting}")
-    rate = _obj(cal.stats.get("recipe")).get("rate", "nominal")
-    counts = {"stored": "stored bits, measured (stored rate)", "coded": "expected stored bits (coded rate)"}
-    print(f"  bit budgets count: {counts.get(rate, 'packed bits (nominal)') if isinstance(rate, str) else '?'}")
     used = sorted(
         {
             TYPE_NAMES[t]
@@ -240,11 +202,7 @@ def recipe_from_args(args: argparse.Namespace) -> Any:
 
     given = {name: getattr(args, name) for name in ("tokens", "ratios", "window", "value_weight")}
     return Recipe(
-        kv_split=args.kv_split,
-        rate=args.rate,
-        coder=args.coder,
         sensitivity=args.sensitivity,
-        sampling=args.sampling,
         queries=args.queries,
         token_map=args.token_map,
         forward=args.forward,

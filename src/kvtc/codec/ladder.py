@@ -7,8 +7,7 @@ encodes, and tells the decoder where each rung's rows lie in the merged sections
 Encode (:func:`encode`): each kind and PCA group's rows are projected once on the widest rung's components; each
 row's error under every rung's plan is measured (per layer, in the calibration's weighted space, times the attention
 its token receives there, :func:`errors`), in the units :func:`kvtc.codec.tiers.kind_weight` gives; the rows of the
-kinds and groups that share one price (:data:`kvtc.codec.tiers.LADDER_PRICE`, by default the whole blob) are
-allocated together (:func:`allocate`) so that they store what the target's plans store for them, the coded size
+whole blob share one price and are allocated together (:func:`allocate`) so that they store what the target's plans store for them, the coded size
 measured on the CPU and the price raised where it is over. Sections, per kind and group: ``rungs.{kind}.{g}`` (a
 byte per middle token), then ``{kind}.{g}.params`` and ``{kind}.{g}.{type}``, each holding every rung's rows, rung
 after rung (the header's ``rung_counts`` size each part: :func:`pieces`).
@@ -48,9 +47,8 @@ def encode(
     rung of each row (``rungs.{kind}.{g}``), chosen by :func:`kvtc.codec.tiers.allocate` from each row's error
     under every rung's plan (per layer, weighted by the attention its token receives there), then the rows of
     every rung, in token order, coded by its plan: the rungs' sections of one name back to back as one section
-    (``{kind}.{g}.params``, ``{kind}.{g}.{type}``). The rows share one price (:data:`kvtc.codec.tiers.LADDER_PRICE`:
-    by default one for the whole blob, so that all its rows store what the target's plans store for them), each
-    kind's error in the units :func:`kvtc.codec.tiers.kind_weight` gives. ``group_rows``: each kind's rows
+    (``{kind}.{g}.params``, ``{kind}.{g}.{type}``). The rows share one price (one for the whole blob, so that all its
+    rows store what the target's plans store for them), each kind's error in the units :func:`kvtc.codec.tiers.kind_weight` gives. ``group_rows``: each kind's rows
     ``[n, features]`` per group (None: the group codes no token); ``mass``: ``[B, L, T]`` attention each token
     receives; ``reserve``: bytes the blob stores beyond what the plans' budgets count (a version-5 blob's token ids),
     taken from every group's goal in proportion. Fills ``header.rung_counts``."""
@@ -80,10 +78,9 @@ def encode(
     total = sum(t[6] for t in todo)
     if reserve and total > 0:  # the blob's other sections count against the same target
         todo = [(*t[:6], t[6] * max(0.0, 1 - reserve / total)) for t in todo]
-    scope = {"kind": lambda t: (t[0], t[1]), "group": lambda t: t[0], "all": lambda t: 0}[tiers.LADDER_PRICE]
     done: dict[tuple[int, str], tuple[torch.Tensor, list[tuple[str, Any]]]] = {}
-    for sc in dict.fromkeys(scope(t) for t in todo):
-        done.update(allocate(codec, [t for t in todo if scope(t) == sc], clock))
+    if todo:
+        done.update(allocate(codec, todo, clock))
     out: list[tuple[str, Any]] = []
     for kind in KINDS:
         for g in range(len(middles)):
@@ -180,16 +177,11 @@ def errors(
     weights = tiers.ladder_weights(mass[:, layers, start : start + m]).to(coeffs.device)  # [n, Lg]
     c = coeffs.float()
     spread = tiers.layer_spread(cal, kind, g, c.shape[1], per_layer).to(c.device)  # [kmax, Lg]
-    basis = None if tiers.LADDER_ERRORS == "diagonal" else cal.pcas[kind][g].basis[: c.shape[1]].to(c.device)
     errs = []
     for pl in pls:
         diff = -c
         diff[:, : pl.components] += Quantizer.dequantized(c[:, : pl.components], pl)
-        if basis is None:  # each component's error spread over the layers as its basis row is
-            per = diff.square() @ spread
-        else:  # exact: the error taken back to the features (weighted space), summed per layer
-            per = torch.zeros((c.shape[0], len(layers)), dtype=torch.float32, device=c.device)
-            per.index_add_(1, tiers.layer_of(cols, per_layer).to(c.device), (diff @ basis.float()).square())
+        per = diff.square() @ spread  # each component's error spread over the layers as its basis row is
         errs.append((per * weights).sum(1))
     costs = torch.tensor([tiers.kind_cost(cal, r, kind, g) for r in codec.ladder], dtype=torch.float64)
     return torch.stack(errs, 1).double().cpu(), costs

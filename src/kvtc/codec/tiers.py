@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CalibrationError, FormatError
+from ..errors import FormatError
 
 #: the tiers' targets as multiples of the blob's target (the share of high-tier tokens follows, see :func:`share`)
 HIGH_FACTOR = 0.5
@@ -59,26 +59,12 @@ INDEX_BITS = 4.0
 #: coded, take a few dozen bytes) and the rungs' rows storing more than their plans' calibration rows do (the finer
 #: rungs get the tokens with the larger coefficients: the measured size then lowers the price, ladder.allocate)
 LADDER_HEADROOM = 0.015
-#: how a rung's error is spread over a group's layers: "diagonal" (each component's squared error times the share
-#: of its basis row in each layer: the cross terms between components, zero in expectation, left out; one small
-#: product per rung) or "exact" (the error taken back to every feature: a product the size of a reconstruction
-#: per rung, 10-50x the encode time on the CPU)
-LADDER_ERRORS = "diagonal"
-#: the price the rungs are chosen at: "all" (one Lagrange price for the whole blob: every kind and PCA group together
-#: store what the target's plans store for them, each byte where it lowers the weighted error most), "group" (one per
-#: PCA group, keys and values together) or "kind" (one per kind and group: each stores what its plan stores, the
-#: calibration's split between keys and values); measured on text the eval does not read,
-#: docs/studies/rate-ladder.md ("one price")
-LADDER_PRICE = "all"
-#: the units the errors of different kinds and groups are compared in under one price: "relative" (each over its
-#: kind's energy, values times :data:`LADDER_VALUE_WEIGHT`) or "weighted" (the calibration's sensitivity-weighted
-#: squared error as it is)
-LADDER_UNITS = "relative"
-#: in "relative" units, what a value's error counts for against a key's: 1 (measured on text the eval does not read,
-#: docs/studies/rate-ladder.md, "each kind's units": against the calibration's value weight of 2, 4-15% lower
-#: next-token KL at 11 of 12 points of both models, the one exception +6%), or None for the calibration's recorded
-#: ``value_weight`` (its rule for splitting a ratio's bits between keys and values, where each plan's bytes are fixed)
-LADDER_VALUE_WEIGHT: float | None = 1.0
+#: what a value's error counts for against a key's when one price spans kinds and groups, each kind's error taken
+#: over its energy (measured on text the eval does not read, docs/studies/rate-ladder.md, "each kind's units":
+#: against the calibration's value weight of 2, 4-15% lower next-token KL at 11 of 12 points of both models). The
+#: rows of a whole blob share one price (docs/studies/rate-ladder.md, "one price"); a rung's error is spread over a
+#: group's layers by the diagonal rule (docs/studies/ladder-errors.md)
+LADDER_VALUE_WEIGHT = 1.0
 #: encodes of a group's rows at most: after each, the coded size is measured and the budget scaled if it is over
 LADDER_PASSES = 3
 
@@ -181,24 +167,16 @@ def kind_cost(cal: Any, ratio: float | str, kind: str, group: int) -> float:
 
 
 def kind_weight(cal: Any, kind: str, group: int) -> float:
-    """What a unit of ``kind``'s weighted squared error in PCA group ``group`` counts for when one price spans kinds
-    and groups (:data:`LADDER_UNITS`): 1 for ``"weighted"``; for ``"relative"`` the error over the kind's energy (its
-    PCA's total variance), values times :data:`LADDER_VALUE_WEIGHT` (None: the calibration's recorded
-    ``value_weight``, 1 where none is recorded or it is not a number)."""
-    if LADDER_UNITS != "relative":
-        return 1.0
+    """What a unit of ``kind``'s weighted squared error in PCA group ``group`` counts for under the blob's one price:
+    the error over the kind's energy (its PCA's total variance), values times :data:`LADDER_VALUE_WEIGHT` (1 where
+    the energy is not a positive number)."""
     try:
-        if LADDER_VALUE_WEIGHT is not None:
-            vw = float(LADDER_VALUE_WEIGHT)
-        else:
-            split = (cal.stats or {}).get("kv_split", {})
-            vw = float(split.get("value_weight") or 1.0) if isinstance(split, dict) else 1.0
         energy = float(cal.pcas[kind][group].total_variance)
     except (TypeError, ValueError):
         return 1.0
-    if not (math.isfinite(vw) and vw > 0 and math.isfinite(energy) and energy > 0):
+    if not (math.isfinite(energy) and energy > 0):
         return 1.0
-    return (vw if kind == "values" else 1.0) / energy
+    return (LADDER_VALUE_WEIGHT if kind == "values" else 1.0) / energy
 
 
 def layer_of(columns: torch.Tensor, per_layer: int) -> torch.Tensor:
@@ -350,19 +328,7 @@ def resolve(cal: Any, ratio: float, asked: Any) -> tuple[tuple[str, str, float] 
             return None, None
         high, low = pair
     else:
-        try:
-            high, low = (float(x) for x in asked)
-        except (TypeError, ValueError):
-            raise ValueError(f"tiers must be 'auto', 'two', 'none' or (high, low) targets, got {asked!r}") from None
-        if cal.queries is None:
-            raise CalibrationError(
-                "token-adaptive tiers need a calibration that records mean queries (format version 7: "
-                "`kvtc calibrate` with the default recipe); this one does not"
-            )
-        for r in (high, low):
-            cal.plans_for(r)  # raises, naming the ratios it has
-        if not high < ratio < low:
-            raise ValueError(f"tier targets must bracket the target: {high:g} < {ratio:g} < {low:g}")
+        raise ValueError(f"tiers must be 'auto', 'two' or 'none', got {asked!r}")
     return (ratio_key(high), ratio_key(low), round(share(ratio, high, low), 6)), None
 
 
@@ -371,13 +337,11 @@ __all__ = [
     "HIGH_FACTOR",
     "LOW_FACTOR",
     "INDEX_BITS",
-    "LADDER_ERRORS",
     "LADDER_HEADROOM",
     "LADDER_PASSES",
     "LADDER_POWER",
-    "LADDER_PRICE",
-    "LADDER_UNITS",
     "LADDER_SPAN",
+    "LADDER_VALUE_WEIGHT",
     "LADDER_STEP",
     "LOSSY_ERROR",
     "MAX_RUNGS",

@@ -3,9 +3,8 @@
 Sampling follows the paper: documents are cut into windows (default 1,024 tokens), the model is run over each
 window, the first ``sinks`` positions of every window are excluded (attention sinks are never compressed, so they
 must not shape the basis), and every other position becomes one calibration row. Windows are drawn across the
-whole corpus (``sampling="spread"``, the default: seeded, round-robin over as many documents as possible), not
-from its first documents (``"first"``): a corpus sorted by date or topic would otherwise calibrate on one corner
-of it.
+whole corpus (seeded, round-robin over as many documents as possible), not from its first documents: a corpus
+sorted by date or topic would otherwise calibrate on one corner of it.
 Rows stream into the PCA accumulators window by window, so memory is ``O(p²)`` whatever the token count.
 """
 
@@ -28,12 +27,10 @@ from ..calibration.fit import sensitivity_scales
 from ..calibration.load import DEFAULT_CALIBRATION, embedded_model_key, open_calibration
 from ..calibration.recipe import (
     DEFAULT_RECIPE,
-    DEFAULT_SAMPLING,
     DEFAULT_SENSITIVITY_WINDOWS,
     DEFAULT_TOKENS,
     DEFAULT_WINDOW_TOKENS,
     RECIPES,
-    SAMPLINGS,
     SENSITIVITIES,
     SENSITIVITY_CONTEXT,
     SENSITIVITY_CONTINUATION,
@@ -57,7 +54,6 @@ __all__ = [
     "DEFAULT_RECIPE",
     "DEFAULT_TOKENS",
     "DEFAULT_WINDOW_TOKENS",
-    "SAMPLINGS",
     "SENSITIVITIES",
     "UNWEIGHTED_RECIPE",
     "Recipe",
@@ -69,48 +65,14 @@ __all__ = [
     "default_calibration_path",
     "load_calibration",
     "measure_sensitivity",
-    "token_windows",
 ]
 
 
-def token_windows(
-    tokenizer: Any, texts: Sequence[str], window: int, limit_windows: int | None = None
-) -> Iterator[torch.Tensor]:
-    """Consecutive ``window``-token pieces of each document (documents shorter than a window are joined
-    with the next ones, separated by the EOS token), each starting with the tokenizer's leading tokens (BOS)."""
-    from ..assets.windows import leading_ids
-
-    lead = leading_ids(tokenizer)
-    if window <= len(lead):
-        raise CalibrationError(f"calibration window ({window}) leaves no room after the leading tokens {lead}")
-    window -= len(lead)
-    carry: list[int] = []
-    produced = 0
-    eos = tokenizer.eos_token_id
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        carry.extend(ids)
-        if eos is not None:
-            carry.append(eos)
-        while len(carry) >= window:
-            yield torch.tensor(lead + carry[:window], dtype=torch.int64)
-            carry = carry[window:]
-            produced += 1
-            if limit_windows is not None and produced >= limit_windows:
-                return
-    # the remainder is dropped: a short tail would over-weight early positions
-
-
 def corpus_windows(
-    tokenizer: Any, texts: Sequence[str], window: int, count: int, sampling: str = DEFAULT_SAMPLING, seed: int = 0
+    tokenizer: Any, texts: Sequence[str], window: int, count: int, seed: int = 0
 ) -> Iterator[torch.Tensor]:
-    """``count`` windows of ``window`` token ids from ``texts``, as ``sampling`` takes them (:data:`SAMPLINGS`);
-    fewer only with ``sampling="first"`` when the texts run out (the callers say so)."""
-    if sampling not in SAMPLINGS:
-        raise CalibrationError(f"unknown sampling {sampling!r}; use one of {', '.join(SAMPLINGS)}")
-    if sampling == "first":
-        yield from token_windows(tokenizer, texts, window, count)
-        return
+    """``count`` windows of ``window`` token ids drawn across ``texts`` (seeded, round-robin over the documents:
+    :func:`kvtc.assets.iter_token_windows`); a :class:`CalibrationError` when the texts hold fewer."""
     from .. import assets
     from ..errors import KVTCError
 
@@ -131,15 +93,14 @@ def collect_rows(
     window: int = DEFAULT_WINDOW_TOKENS,
     sinks: int = DEFAULT_SINKS,
     progress: bool = True,
-    sampling: str = DEFAULT_SAMPLING,
     seed: int = 0,
     token_map: TokenMap | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(key_rows, value_rows)`` float32 ``[window - sinks, p]`` per window until ``tokens`` rows, the
-    windows taken from ``texts`` as ``sampling`` says (:func:`corpus_windows`); with a ``token_map``, each row less
-    its prediction from the window's token ids (what the codec then codes)."""
+    windows drawn from ``texts`` (:func:`corpus_windows`); with a ``token_map``, each row less its prediction from
+    the window's token ids (what the codec then codes)."""
     emb = model.get_input_embeddings().weight.detach() if token_map is not None else None
-    for ids, k, v in window_rows(model, tokenizer, texts, tokens, window, sinks, progress, sampling, seed):
+    for ids, k, v in window_rows(model, tokenizer, texts, tokens, window, sinks, progress, seed):
         yield _residual(token_map, emb, ids, sinks, k, v)
 
 
@@ -151,7 +112,6 @@ def window_rows(
     window: int = DEFAULT_WINDOW_TOKENS,
     sinks: int = DEFAULT_SINKS,
     progress: bool = True,
-    sampling: str = DEFAULT_SAMPLING,
     seed: int = 0,
     forward: str = "model",
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -170,7 +130,7 @@ def window_rows(
     try:
         count = -(-tokens // (window - sinks))
         body = model.get_decoder()  # the KV is all that is needed: no logits over the vocabulary
-        for ids in corpus_windows(tokenizer, texts, window, count, sampling, seed):
+        for ids in corpus_windows(tokenizer, texts, window, count, seed):
             with torch.inference_mode(), _autocast(device, forward):
                 # a config-less cache keeps every token of sliding-window layers too: each is a sample of what
                 # those layers cache, wherever the window ends
@@ -238,9 +198,7 @@ def measure_sensitivity(
     sinks: int = DEFAULT_SINKS,
     recent: int = DEFAULT_WINDOW,
     progress: bool = True,
-    labels: str = "text",
     seed: int = 0,
-    sampling: str = DEFAULT_SAMPLING,
 ) -> dict[str, torch.Tensor]:
     """How much the model's loss feels each cached feature: ``{"keys": [p], "values": [p]}`` float32, the mean
     squared gradient of the next-token loss with respect to the pre-RoPE keys and the values of a cache.
@@ -251,13 +209,9 @@ def measure_sensitivity(
     codec compresses count: past the ``sinks``, before the ``recent`` raw window. The squared gradient is the
     diagonal of the Fisher information: a small error ``δ`` costs about ``½ Σ F·δ²`` nats of KL.
 
-    ``labels="text"`` scores the text's own next tokens (the empirical Fisher); ``"model"`` draws each position's
-    label from the model's own next-token distribution (an unbiased one-sample estimate of the true Fisher).
-    The windows are taken as ``sampling`` says (:func:`corpus_windows`, seeded with ``seed + 1``).
+    The labels are the text's own next tokens (the empirical Fisher). The windows are drawn across the texts
+    (:func:`corpus_windows`, seeded with ``seed + 1``).
     """
-    if labels not in ("text", "model"):
-        raise CalibrationError(f"labels must be 'text' or 'model', got {labels!r}")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     from transformers import DynamicCache
 
     if context <= sinks + recent or continuation < 1:
@@ -276,7 +230,7 @@ def measure_sensitivity(
     try:
         for p in model.parameters():
             p.requires_grad_(False)
-        for ids in corpus_windows(tokenizer, texts, context + continuation + 1, windows, sampling, seed + 1):
+        for ids in corpus_windows(tokenizer, texts, context + continuation + 1, windows, seed + 1):
             ids = ids.to(device)
             with torch.inference_mode():
                 cache = DynamicCache(config=model.config)
@@ -290,11 +244,7 @@ def measure_sensitivity(
                 )
                 del cache
                 logits = model(input_ids=ids[None, context:-1], past_key_values=lossy, use_cache=True).logits[0]
-                target = ids[context + 1 :]
-                if labels == "model":
-                    probs = torch.softmax(logits.detach().float(), dim=-1).cpu()
-                    target = torch.multinomial(probs, 1, generator=gen)[:, 0].to(device)
-                loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum")
+                loss = torch.nn.functional.cross_entropy(logits.float(), ids[context + 1 :], reduction="sum")
                 loss.backward()
             for kind, t in (("keys", k), ("values", v)):
                 g = t.grad[0, sinks : context - recent].reshape(-1, layout.num_features)
@@ -328,12 +278,12 @@ def calibrate_model(
     ratio (:func:`~kvtc.calibration.fit.fit_calibration`).
 
     ``recipe.tokens`` calibration rows are taken from windows of ``recipe.window`` tokens, the first
-    ``recipe.sinks`` positions of each excluded, drawn across the corpus (``sampling="spread"``) or from its start
-    (``"first"``). The model's RoPE spec is stored in the calibration and checked whenever it is used.
+    ``recipe.sinks`` positions of each excluded, drawn across the corpus. The model's RoPE spec is stored in the
+    calibration and checked whenever it is used.
 
     ``recipe.sensitivity="fisher"`` (default; ours) first measures the loss's sensitivity to every cached feature
     on ``sensitivity_windows`` windows of the same texts (:func:`measure_sensitivity`) and fits on rows weighted by
-    it, one weight per feature (``sensitivity_resolution="head"``: per (layer, KV head)), floored at
+    it, one weight per feature, floored at
     ``sensitivity_floor`` of the mean (:func:`~kvtc.calibration.fit.sensitivity_scales`); ``"none"`` fits the
     paper's plain squared error. ``feature_scale`` given: those scales, nothing measured. ``model_id`` (default:
     the model's own name) and ``corpus`` (notes on the texts) are stored; the recipe goes into the statistics.
@@ -347,30 +297,21 @@ def calibrate_model(
     t0 = time.perf_counter()
     meta_sens: dict[str, Any] = {"method": recipe.sensitivity}
     if recipe.sensitivity == "fisher" and feature_scale is None:
-        normalize = "joint" if recipe.split_errors == "weighted" else "kind"
         # the measurement's settings, recorded with the calibration as they were used
         measured = {
             "windows": recipe.sensitivity_windows,
             "context": recipe.sensitivity_context,
             "continuation": recipe.sensitivity_continuation,
-            "labels": recipe.sensitivity_labels,
         }
         fisher = measure_sensitivity(
-            model, tokenizer, texts, **measured, sinks=recipe.sinks, progress=progress, seed=recipe.seed,
-            sampling=recipe.sampling,
-        )  # fmt: skip
-        feature_scale = sensitivity_scales(
-            fisher, recipe.sensitivity_resolution, recipe.sensitivity_floor, layout.head_dim, normalize=normalize
+            model, tokenizer, texts, **measured, sinks=recipe.sinks, progress=progress, seed=recipe.seed
         )
-        meta_sens.update(
-            measured, resolution=recipe.sensitivity_resolution, normalize=normalize, floor=recipe.sensitivity_floor,
-            seconds=round(time.perf_counter() - t0, 3),
-        )  # fmt: skip
+        feature_scale = sensitivity_scales(fisher, recipe.sensitivity_floor)
+        meta_sens.update(measured, floor=recipe.sensitivity_floor, seconds=round(time.perf_counter() - t0, 3))
     # one forward pass over the calibration windows feeds the token map (fitted on the first of them), the PCA
     # and the DP rows (each window's rows less the map's prediction) and the query recorder
     stream = window_rows(
-        model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.sampling, recipe.seed,
-        recipe.forward,
+        model, tokenizer, texts, recipe.tokens, recipe.window, recipe.sinks, progress, recipe.seed, recipe.forward,
     )  # fmt: skip
     fitted: dict[str, Any] = {"map": None, "notes": {"method": "off"}}
 
@@ -394,19 +335,12 @@ def calibrate_model(
     meta = dict(corpus or {})
     timer = StageTimer()
     meta.update(
-        {
-            "tokens": recipe.tokens,
-            "window": recipe.window,
-            "sinks_excluded": recipe.sinks,
-            "sampling": recipe.sampling,
-            "sensitivity": meta_sens,
-        }
+        {"tokens": recipe.tokens, "window": recipe.window, "sinks_excluded": recipe.sinks, "sensitivity": meta_sens}
     )
     with contextlib.ExitStack() as stack:
         recorder = None
-        if recipe.queries != "none":  # each head's mean query (and the key-to-query map), recorded with the rows
-            keys = recipe.queries == "keys"
-            recorder = stack.enter_context(recording_queries(model, layout, rope, recipe.sinks, keys))
+        if recipe.queries != "none":  # each head's mean query and the key-to-query map, recorded with the rows
+            recorder = stack.enter_context(recording_queries(model, layout, rope, recipe.sinks, True))
         cal = fit_calibration(
             layout,
             timer.iterate(rows(), "collect"),
@@ -419,8 +353,7 @@ def calibrate_model(
         )
     if recorder is not None:
         queries, scales = recorder.result()
-        qmap = recorder.query_map() if recorder.keys else None
-        cal = dataclasses.replace(cal, queries=queries, query_scales=scales, query_map=qmap)
+        cal = dataclasses.replace(cal, queries=queries, query_scales=scales, query_map=recorder.query_map())
     cal = dataclasses.replace(cal, token_map=fitted["map"], corpus={**cal.corpus, "token_map": fitted["notes"]})
     # statistics are no part of the content hash: recording them after the fit leaves the calibration's name as is
     cal.stats["seconds"]["total"] = round(time.perf_counter() - t0, 3)

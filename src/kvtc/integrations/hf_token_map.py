@@ -39,39 +39,35 @@ def fit_token_map(
     The windows are cross-fitted: even and odd windows form two parts, a map is solved on each, and window ``i``'s
     rows are predicted by the map of the part it is not in (``halves[1 - i % 2]``), so the PCA and the bit plans see
     residuals as the codec will on text the map never saw (in-sample residuals would be smaller, and plans sized on
-    them would store more than their targets). The map returned is solved on every window. ``"auto"`` keeps it
-    only where the map of the even windows saves at least :data:`~kvtc.calibration.token_map.MIN_GAIN` of the
-    distortion on the odd ones; ``"on"`` keeps it and measures nothing."""
+    them would store more than their targets). The map returned is solved on every window. It is kept only where
+    the map of the even windows saves at least :data:`~kvtc.calibration.token_map.MIN_GAIN` of the distortion on the
+    odd ones."""
     t0 = time.perf_counter()
     count = len(windows)
     if count < 2:
         raise CalibrationError("the corpus holds too few windows to fit the token map; add text or use token_map='off'")
     layout, _ = describe_model(model)
     emb = model.get_input_embeddings().weight.detach()
-    measure = recipe.token_map != "on"
-    fit = tm.TokenMapFit(
-        emb.float(), layout.num_features, measure=measure, block=layout.num_features // len(layout.layers)
-    )
+    fit = tm.TokenMapFit(emb.float(), layout.num_features, block=layout.num_features // len(layout.layers))
     for i, (ids, k, v) in enumerate(windows):
         # the last window may hold fewer rows than positions: its ids up to the last row's token
         fit.add(ids[: recipe.sinks + k.shape[0]], {"keys": k, "values": v}, recipe.sinks, held_out=bool(i % 2))
-    gain = fit.gain(feature_scale) if measure else {}
-    mean_gain = (gain["keys"] + gain["values"]) / 2 if measure else 1.0
-    keep = not measure or mean_gain >= tm.MIN_GAIN
+    gain = fit.gain(feature_scale)
+    mean_gain = (gain["keys"] + gain["values"]) / 2
+    keep = mean_gain >= tm.MIN_GAIN
     notes: dict[str, Any] = {
         "method": recipe.token_map,
         "kept": keep,
         "gain": {k: round(v, 4) for k, v in gain.items()},
         "min_gain": tm.MIN_GAIN,
         "windows": count,
-        "held_out": count // 2 if measure else 0,
+        "held_out": count // 2,
     }
-    if measure:
-        log.info(
-            "calibration: the token map saves %.0f%% of the distortion on held-out windows (%s)",
-            100 * mean_gain,
-            "kept" if keep else "left out",
-        )
+    log.info(
+        "calibration: the token map saves %.0f%% of the distortion on held-out windows (%s)",
+        100 * mean_gain,
+        "kept" if keep else "left out",
+    )
     result = halves = None
     if keep:
         result = fit.result(emb.shape[0], gain)
