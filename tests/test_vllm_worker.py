@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ def _worker(
     groups: tuple[CacheGroup, ...] = (),
     background: bool = False,
     max_pending_bytes: int = 1 << 30,
+    before_attach: Any = None,
 ) -> WorkerSide:
     """A rank-0 worker with CPU-layout bf16 caches ([blocks, heads, block_size, 2 * head_dim]) per layer,
     random when ``seed`` is given, zero otherwise."""
@@ -54,6 +58,8 @@ def _worker(
     w = WorkerSide(
         setup, Codecs(config, None, None), 0, store, background=background, max_pending_bytes=max_pending_bytes
     )
+    if before_attach is not None:  # e.g. break the store the codec process is about to open
+        before_attach()
     w.attach(caches, modules={}, cache_dtype="auto")
     return w
 
@@ -339,3 +345,103 @@ def test_a_token_map_calibration_needs_the_checkpoints_embeddings(tmp_path):
     with pytest.raises(ConfigError, match="no input embedding table"):
         Codecs(config, codecs.calibration, codecs.rope, "x", checkpoint=str(tmp_path / "other")).check(lay)
     codecs.check(lay)  # the real checkpoint: found by name and shape
+
+
+# -- faults: none reaches the engine ---------------------------------------------------------------------------
+def _break(root: Path) -> None:
+    """Make the file store at ``root`` unusable (a regular file where its directory was; permissions would not stop
+    a test running as root)."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.write_bytes(b"not a directory")
+
+
+def _mend(root: Path) -> None:
+    root.unlink()
+    root.mkdir()
+
+
+def _wait(predicate: Any, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_killed_codec_process_is_started_again_and_saving_resumes(tmp_path, monkeypatch):
+    """Killing the codec process loses only what it held: the next save inside its restart pause is dropped and
+    counted, nothing raises, and the process is started again (with the layers it needs) on the save after."""
+    import kvtc.integrations.vllm.helper as helper_mod
+
+    monkeypatch.setattr(helper_mod, "RESTART_BACKOFF_S", 0.5)
+    w = _worker(f"file://{tmp_path}/store", seed=7, background=True)
+    w.save([StoreJob("a", "k0", 0, [[1, 2]])])
+    w.helper.flush(60)
+    assert w.store.contains("k0")
+    first = w.helper.proc.pid
+    os.kill(first, signal.SIGKILL)
+    _wait(lambda: not w.helper.alive)
+    w.save([StoreJob("a", "k1", 0, [[3, 4]])])  # inside the pause: dropped, reported as not stored
+    assert w.take_report().unsaved == {"k1"} and w.tally.take()["saves_refused"] == 1
+    time.sleep(0.6)
+    w.save([StoreJob("a", "k2", 1, [[1, 2, 3, 4]])])  # started again, with the setup and the probed layers
+    assert w.helper.restarts == 1 and w.helper.proc.pid != first
+    w.helper.flush(60)
+    w.load([LoadJob("b", [[5, 6, 7, 8]], 0, 2 * CHUNK, ["k0", "k2"], 0)])  # its half of a restore works too
+    assert w.take_finished_loads() == ({"b"}, set())
+    w.close()
+    assert w.store.contains("k2") and not w.store.contains("k1")
+
+
+def test_a_store_that_fails_before_the_codec_process_opens_it_stops_nothing(tmp_path, monkeypatch, caplog):
+    """The store breaks between the engine's start and the codec process opening it: the process exits, saves are
+    dropped and counted (never a broken pipe into the engine), loads fall back to the worker; once the store is back
+    the process is started again and saving resumes."""
+    import kvtc.integrations.vllm.helper as helper_mod
+
+    monkeypatch.setattr(helper_mod, "RESTART_BACKOFF_S", 0.5)
+    monkeypatch.setattr(helper_mod, "RESTART_BACKOFF_MAX_S", 1.0)
+    root = tmp_path / "store"
+    w = _worker(f"file://{root}", seed=8, background=True, before_attach=lambda: _break(root))
+    _wait(lambda: not w.helper.alive)  # the process could not open the store
+    w.save([StoreJob("a", "k0", 0, [[1, 2]])])  # the first save also probes the layers: nothing raises
+    w.helper.flush(60)
+    assert w.take_report().unsaved == {"k0"}
+    w.load([LoadJob("b", [[5, 6, 7, 8]], 0, 2 * CHUNK, ["k0", "k1"], 0)])  # recomputed, not an error
+    assert w.take_finished_loads() == ({"b"}, {"b"})
+    _mend(root)
+    deadline = time.monotonic() + 60
+    while not w.store.contains("k1"):  # started again after its pause, it stores again
+        assert time.monotonic() < deadline, "saving did not resume"
+        w.save([StoreJob("a", "k1", 0, [[1, 2]])])
+        w.helper.flush(60)
+        time.sleep(0.2)
+    w.close()
+    assert w.helper.restarts >= 1
+
+
+def test_while_the_store_refuses_saves_no_chunk_is_copied_or_encoded(tmp_path, monkeypatch):
+    """A refused save opens the breaker: for BREAKER_S no chunk is copied or encoded (each is dropped and counted at
+    once), the refused chunk not even after; when it closes and the store is back, saving resumes; a stored chunk is
+    never copied again."""
+    import kvtc.integrations.vllm.helper as helper_mod
+
+    monkeypatch.setattr(helper_mod, "BREAKER_S", 5.0)
+    root = tmp_path / "store"
+    w = _worker(f"file://{root}", seed=9, background=True)
+    w.save([StoreJob("a", "k0", 0, [[1, 2]])])
+    w.helper.flush(60)
+    w.save([StoreJob("a", "k0", 0, [[1, 2]])])  # already stored: not copied again
+    assert w.helper.skipped == 1 and w.helper.pending == 0
+    _break(root)
+    w.save([StoreJob("a", "k1", 0, [[3, 4]])])
+    w.helper.flush(60)  # refused: the breaker opens
+    copies = len(list(Path(w.helper.dir).iterdir()))
+    w.save([StoreJob("a", f"k{i}", 0, [[1, 2]]) for i in range(2, 6)])
+    assert w.helper.skipped == 5 and w.helper.pending == 0
+    assert len(list(Path(w.helper.dir).iterdir())) == copies  # nothing copied
+    assert w.take_report().unsaved == {"k1", "k2", "k3", "k4", "k5"}
+    _mend(root)
+    time.sleep(5.1)
+    w.save([StoreJob("a", "k6", 0, [[1, 2]])])
+    w.close()
+    assert w.store.contains("k6") and not w.store.contains("k2")

@@ -10,6 +10,13 @@ that would exceed the bound is dropped, which is only a future cache miss, and r
 drained before the process exits, the saving thread then at normal priority (the shutdown waits for it, and vLLM
 gives a worker only a few seconds: on CPUs kept busy, an idle-priority drain would store nothing in that time).
 
+Faults never reach the engine: a codec process that fails to start, exits or is killed is started again on the next
+save or restore, after a pause that doubles from :data:`RESTART_BACKOFF_S` to :data:`RESTART_BACKOFF_MAX_S` (what it had
+queued is lost and counted); a message it can no longer receive is a dropped save or a restore the worker does
+itself. While the store refuses saves (read-only, full, unreachable) a circuit breaker stops copying and encoding
+chunks for :data:`BREAKER_S` seconds, doubling to :data:`BREAKER_MAX_S` while the refusals go on; a chunk already
+stored, or refused within that time, is not copied or encoded again (docs/VLLM.md, "Faults").
+
 Restoring: a restore of several chunks is split; the process decodes the second half (reading the entries from
 the store itself) into a shared-memory file while the worker decodes the first half.
 
@@ -38,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +64,14 @@ DEFAULT_MAX_PENDING_BYTES = 1 << 30
 NICE = 19
 #: Seconds a restore waits for the process's half before the worker gives up on it (the request is recomputed).
 RESTORE_TIMEOUT_S = 120.0
+#: Seconds before a codec process that exited is started again; doubled after each start that fails, up to the max.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 60.0
+#: Seconds no chunk is copied or encoded after the store refused a save; doubled while refusals go on, up to the max.
+BREAKER_S = 5.0
+BREAKER_MAX_S = 60.0
+#: Keys remembered as stored or refused (the oldest are forgotten first).
+REMEMBERED_KEYS = 65536
 #: Variables that bind OpenMP threads to CPUs: the process drops vLLM's (it picks its own CPUs).
 _OMP_BINDING = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 _ALIGN = 64
@@ -117,37 +133,89 @@ class CodecProcess:
     def __init__(self, setup: dict[str, Any], on_saved: SaveResult, max_bytes: int = DEFAULT_MAX_PENDING_BYTES):
         self.on_saved = on_saved
         self.max_bytes = max_bytes
+        self.setup = setup
         self.dir = tempfile.mkdtemp(prefix="kvtc-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        env = {k: v for k, v in os.environ.items() if k not in _OMP_BINDING}
-        env["OMP_NUM_THREADS"] = "1"
-        read_fd, write_fd = os.pipe()
-        cpus = ",".join(str(c) for c in sorted(spare_cpus())) or "-"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtc.integrations.vllm.helper", str(write_fd), cpus, str(NICE)],
-            stdin=subprocess.PIPE,
-            env=env,
-            pass_fds=(write_fd,),
-            text=True,
-        )
-        os.close(write_fd)
-        self.replies = os.fdopen(read_fd, "r")
         self._lock = threading.Condition()
         self._send_lock = threading.Lock()
         self._pending: dict[str, tuple[int, str]] = {}  # save key -> (bytes, file)
         self._restores: dict[int, dict[str, Any]] = {}  # restore id -> reply
         self._count = 0
         self.dropped = 0
-        self.alive = True
+        #: saves not copied because the breaker was open or the key was already stored or refused
+        self.skipped = 0
+        #: times the process was started again after it exited
+        self.restarts = 0
+        self.alive = False
         self.has_layers = False
-        self._send({"setup": setup})
+        self._layers: dict[str, Any] | None = None
+        self._backoff = RESTART_BACKOFF_S
+        self._next_start = 0.0
+        self._breaker = BREAKER_S
+        self._open_until = 0.0  # no chunk is copied before then (the store refused one)
+        self._known: OrderedDict[str, float] = OrderedDict()  # key -> until when it is not saved again
+        self._closing = False
+        self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+        self._start()
+
+    def _start(self) -> None:
+        """Start the process and send it the setup (and the layers, once known); a failure to start is logged and
+        retried later (:meth:`revive`)."""
+        env = {k: v for k, v in os.environ.items() if k not in _OMP_BINDING}
+        env["OMP_NUM_THREADS"] = "1"
+        read_fd, write_fd = os.pipe()
+        cpus = ",".join(str(c) for c in sorted(spare_cpus())) or "-"
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtc.integrations.vllm.helper", str(write_fd), cpus, str(NICE)],
+                stdin=subprocess.PIPE,
+                env=env,
+                pass_fds=(write_fd,),
+                text=True,
+            )
+        except OSError as e:
+            os.close(read_fd)
+            os.close(write_fd)
+            self._failed_start(f"cannot start the codec process ({message(e)})")
+            return
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+        with self._lock:
+            self.alive = True
         self._reader = threading.Thread(target=self._read_replies, name="kvtc-codec-replies", daemon=True)
         self._reader.start()
+        if not self._send({"setup": self.setup}) or (self._layers is not None and not self._send(self._layers)):
+            self._failed_start("the codec process exited as it started")
 
-    def _send(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        with self._send_lock:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
+    def _failed_start(self, why: str) -> None:
+        with self._lock:
+            self.alive = False
+            self._next_start = time.monotonic() + self._backoff
+            wait, self._backoff = self._backoff, min(self._backoff * 2, RESTART_BACKOFF_MAX_S)
+        logger.warning("KVTCConnector: %s; saves are dropped and loads recomputed, trying again in %.0f s", why, wait)
+
+    def revive(self) -> bool:
+        """Whether the process is running: a process that exited is started again once its pause is over."""
+        with self._lock:
+            if self.alive or self._closing or time.monotonic() < self._next_start:
+                return self.alive
+            self.restarts += 1
+        if self._reader is not None:
+            self._reader.join(timeout=5)  # the old process's replies are all read
+        self._start()
+        return self.alive
+
+    def _send(self, msg: dict[str, Any]) -> bool:
+        """Write one message to the process; False (nothing raised) when it is gone."""
+        if self.proc is None or self.proc.stdin is None:
+            return False
+        try:
+            with self._send_lock:
+                self.proc.stdin.write(json.dumps(msg) + "\n")
+                self.proc.stdin.flush()
+            return True
+        except (OSError, ValueError):  # a broken pipe, or its stdin already closed
+            return False
 
     def _path(self) -> str:
         with self._lock:
@@ -160,9 +228,26 @@ class CodecProcess:
             return len(self._pending)
 
     def send_layers(self, pageds: list[PagedLayout], scales: list[tuple[float, float]]) -> None:
-        """Each layer's paged layout (as probed) and scales, needed to read copied blocks; once."""
-        self._send({"layers": ChunkCodec.layers_setup(pageds, scales)})
+        """Each layer's paged layout (as probed) and scales, needed to read copied blocks; once (sent again to a
+        process started again)."""
+        self._layers = {"layers": ChunkCodec.layers_setup(pageds, scales)}
+        self._send(self._layers)  # a process that is gone gets them when it is started again
         self.has_layers = True
+
+    def _known_until(self, key: str) -> float | None:
+        with self._lock:
+            until = self._known.get(key)
+            if until is not None and until <= time.monotonic():
+                del self._known[key]
+                return None
+            return until
+
+    def _remember(self, key: str, until: float) -> None:
+        with self._lock:
+            self._known[key] = until
+            self._known.move_to_end(key)
+            while len(self._known) > REMEMBERED_KEYS:
+                self._known.popitem(last=False)
 
     # -- saving --------------------------------------------------------------------------------
     def submit(
@@ -173,7 +258,18 @@ class CodecProcess:
         token_ids: Sequence[int] = (),
     ) -> bool:
         """Copy the chunk's blocks (``(paged layout, layer cache, block ids)`` per layer) into a shared-memory file
-        and queue it with its ``token_ids``; False (dropped) when the queue is full or the process is gone."""
+        and queue it with its ``token_ids``; True without copying for a chunk already stored; False (dropped, nothing
+        copied) when the store refused a save a moment ago (the breaker is open, or this chunk was refused), the queue
+        is full or the process is gone."""
+        known = self._known_until(key)
+        if known is not None or time.monotonic() < self._open_until:
+            with self._lock:
+                self.skipped += 1
+            return known == float("inf")
+        if not self.revive():
+            with self._lock:
+                self.dropped += 1
+            return False
         shapes = []
         for paged, cache, ids in sources:
             shape = list(cache.shape)
@@ -191,7 +287,8 @@ class CodecProcess:
             for (paged, cache, ids), out in zip(sources, _views(buf, parts)):
                 paged.copy_blocks(cache, ids, out=out)
             del buf
-            self._send({"save": key, "chunk": chunk, "file": path, "parts": parts, "tokens": list(token_ids)})
+            if not self._send({"save": key, "chunk": chunk, "file": path, "parts": parts, "tokens": list(token_ids)}):
+                raise BrokenPipeError("the codec process is gone")
         except OSError as e:
             with self._lock:
                 self._pending.pop(key, None)
@@ -206,12 +303,13 @@ class CodecProcess:
     # -- restoring -----------------------------------------------------------------------------
     def request_restore(self, chunks: list[tuple[str, int]]) -> int | None:
         """Ask the process to decode ``(key, chunk)`` entries; a ticket for :meth:`restored` (None: it is gone)."""
-        if not self.alive:
+        if not self.revive():
             return None
         with self._lock:
             self._count += 1
             ticket = self._count
-        self._send({"restore": ticket, "chunks": [list(c) for c in chunks], "file": self._path()})
+        if not self._send({"restore": ticket, "chunks": [list(c) for c in chunks], "file": self._path()}):
+            return None
         return ticket
 
     def restored(self, ticket: int, timeout: float = RESTORE_TIMEOUT_S) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +346,10 @@ class CodecProcess:
                     self._lock.notify_all()
                 continue
             key = reply.get("save")
-            with self._lock:
+            with self._lock:  # (re-entrant) settled before a flush waiting on it returns
                 entry = self._pending.pop(key, None)
+                if entry is not None:
+                    self._settle(key, reply)
                 self._lock.notify_all()
             if entry is not None:
                 _unlink(entry[1])
@@ -258,10 +358,41 @@ class CodecProcess:
             self.alive = False
             lost = list(self._pending.items())
             self._pending.clear()
+            if not self._closing:
+                self._next_start = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, RESTART_BACKOFF_MAX_S)
             self._lock.notify_all()
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if lost or not self._closing:
+            logger.warning(
+                "KVTCConnector: the codec process exited (code %s); %d chunks it held are not stored; it is started "
+                "again on the next save or load",
+                code,
+                len(lost),
+            )
         for key, (_, path) in lost:
             _unlink(path)
             self.on_saved(key, None, {}, "the codec process exited")
+
+    def _settle(self, key: str, reply: dict[str, Any]) -> None:
+        """Remember a stored chunk (not saved again) and one the store did not take (not before the breaker closes);
+        open the breaker when the store takes nothing, reset it on a success."""
+        now = time.monotonic()
+        if reply.get("bytes") is not None:
+            self._remember(key, float("inf"))
+            with self._lock:
+                self._breaker = BREAKER_S
+                self._backoff = RESTART_BACKOFF_S  # the process works: a later exit starts the pauses over
+        else:  # refused (read-only, full, unreachable, an entry over its size limit) or failed: the same next time
+            with self._lock:
+                self._open_until = now + self._breaker
+                until, self._breaker = self._open_until, min(self._breaker * 2, BREAKER_MAX_S)
+            self._remember(key, until)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted chunk is stored, refused or lost; False if ``timeout`` seconds passed first."""
@@ -276,22 +407,23 @@ class CodecProcess:
 
     def hurry(self) -> None:
         """Raise the process's saving thread to normal priority for good: someone now waits for the queue."""
-        try:
-            self._send({"hurry": True})
-        except (OSError, ValueError):  # the process is gone or its stdin closed: nothing to hurry
-            pass
+        self._send({"hurry": True})  # a process that is gone has nothing to hurry
 
     def close(self, timeout: float | None = None) -> bool:
         """Store what is queued (up to ``timeout`` seconds, at normal priority), then stop the process."""
+        with self._lock:
+            self._closing = True
         self.hurry()
         done = self.flush(timeout)
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(timeout=10 if done else 1)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-        self._reader.join(timeout=5)
+        if self.proc is not None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=10 if done else 1)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
         shutil.rmtree(self.dir, ignore_errors=True)
         return done
 

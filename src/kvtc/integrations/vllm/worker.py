@@ -246,7 +246,7 @@ class WorkerSide:
         chunks = [(key, job.first_chunk + i) for i, key in enumerate(job.keys)]
         mine, theirs = chunks, []
         helper = self.helper
-        if helper is not None and helper.alive and len(chunks) > 1:  # the codec process decodes the second half
+        if helper is not None and len(chunks) > 1 and helper.revive():  # the codec process decodes the second half
             half = (len(chunks) + 1) // 2
             mine, theirs = chunks[:half], chunks[half:]
         ticket = helper.request_restore(theirs) if theirs and helper is not None else None
