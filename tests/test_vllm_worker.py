@@ -321,6 +321,8 @@ def test_a_token_map_calibration_stores_each_chunk_with_its_ids(tmp_path, backgr
 
     fresh = Codecs(config, codecs.calibration, codecs.rope, "the tiny model", checkpoint=str(tmp_path / "tiny"))
     dst = worker(fresh, False)
+    # warm from the start: both chunks' codecs and the checkpoint's embeddings are loaded before the first load
+    assert len(fresh._by_layout) == 2 and fresh._embeddings is not None
     dst.load([LoadJob("b", [[3, 4]], 0, CHUNK, ["k0"], 0)])
     assert dst.take_finished_loads() == ({"b"}, set())
     assert torch.equal(dst.chunks.codecs.codec(src.layout, True).decode(blob).token_ids[0], torch.tensor(ids))

@@ -178,6 +178,34 @@ def run(args) -> dict:
         llm.llm_engine.engine_core.shutdown()
 
 
+def kill_codec_processes() -> int:
+    """SIGKILL every kvtc codec process below this one (the worker's, two levels down): a fault the engine must
+    survive. The number killed."""
+    import signal
+
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdlines[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    todo, killed = [os.getpid()], 0
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            if "kvtc.integrations.vllm.helper" in cmdlines.get(child, ""):
+                os.kill(child, signal.SIGKILL)
+                killed += 1
+    return killed
+
+
 def _serve(llm, args, startup: float) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -190,6 +218,8 @@ def _serve(llm, args, startup: float) -> dict:
     hybrid = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     out: dict = {"mode": args.mode, "model": args.model, "startup_s": startup, "hybrid_kv_cache_manager": hybrid}
     out["dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    if args.kill_codec:  # before the first request: its loads and saves must go on without it
+        out["codec_processes_killed"] = kill_codec_processes()
 
     gen = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
     if args.warm_prefix:
@@ -452,6 +482,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=20)
     ap.add_argument("--repeat-concurrent", action="store_true")
     ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--kill-codec", action="store_true", help="SIGKILL the connector's codec process at start")
     ap.add_argument("--concurrent", type=int, default=0)
     ap.add_argument("--ttft", type=int, default=0)
     ap.add_argument("--ttft-reps", type=int, default=3)

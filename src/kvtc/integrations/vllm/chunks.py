@@ -143,6 +143,26 @@ class ChunkCodec:
             stored = self.store.put(key, blob)
         return len(blob) if stored else None
 
+    def warm(self) -> None:
+        """Build now what the first save or restore would build on demand: the codecs of a first and a later chunk
+        (plans, PCA transforms; a token-map calibration's input embeddings, read from the checkpoint) and the code
+        paths of one encode and decode each, on a synthetic chunk. Called at engine start (worker and codec process),
+        so that the first restore costs what later ones do."""
+        lay, n = self.layout, self.chunk_tokens
+        g = torch.Generator().manual_seed(0)
+        shape = (1, n, len(lay.layers), len(lay.heads), lay.head_dim)
+        kv = KVSlice(
+            lay,
+            (torch.randn(shape, generator=g) * 0.1).to(lay.torch_dtype),
+            (torch.randn(shape, generator=g) * 0.1).to(lay.torch_dtype),
+            torch.arange(n, dtype=torch.int64)[None],
+            model_id=self.model_id,
+        )
+        for first in (True, False):
+            codec = self.codecs.codec(lay, first)
+            ids = torch.zeros((1, n), dtype=torch.int64) if codec.needs_token_ids else None
+            codec.decode(codec.encode(kv, token_ids=ids))
+
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, blob: bytes, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE keys and values ``[chunk_tokens, layers, heads, head_dim]`` of stored chunk ``chunk``

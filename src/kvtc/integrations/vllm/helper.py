@@ -458,6 +458,7 @@ def _serve(reply_fd: int, cpus: str, nice: int) -> None:
     if not line:
         return
     codec = ChunkCodec.from_setup(json.loads(line)["setup"])
+    codec.warm()  # while the engine starts: the first save or restore then costs what later ones do
     saves: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def save_loop() -> None:

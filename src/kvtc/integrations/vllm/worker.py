@@ -165,6 +165,7 @@ class WorkerSide:
         self.codecs.check(self.layout)  # at startup: this rank's layout against the calibration
         model_id, namespace = self.setup.model_id, self.setup.namespace(self.rank)
         self.chunks = ChunkCodec(self.codecs, self.layout, self.setup.chunk, model_id, self.store)
+        self.chunks.warm()  # codecs, plans, embeddings: loaded at start, not by the first restore
         if self.background and self.helper is None:  # starts up (calibration, store) while the engine does
             setup = ChunkCodec.setup(
                 self.setup.config, namespace, self.layout, self.codecs.rope, self.codecs.model, model_id,
