@@ -1,7 +1,7 @@
 """Hostile calibration files: a seeded mutation loop over ``Calibration.from_bytes`` and ``Calibration.load``.
 
 Seeds: the checked-in fixture calibration, one fitted here with sensitivity feature scales (so the
-``scale`` tensors and the version-2/3 fields are present) and a version-9 one (below). Each input is one of them
+``scale`` tensors are present) and a rich one (below). Each input is one of them
 mutated
 
 * at the metadata level: a field replaced by random JSON of a random type, fields removed or added, integer
@@ -18,7 +18,7 @@ mutated
   is wrong);
 * at the byte level: bit flips, truncations, insertions, a wrong header length, random bytes.
 
-The version-9 seed adds mean queries, their map and a token map: every kind of tensor a calibration holds.
+The rich seed adds mean queries, their map and a token map: every kind of tensor a calibration holds.
 
 Properties per input: only :class:`kvtc.errors.CalibrationError` escapes (from the bytes, and from a file
 written to a temp dir), each call returns within ``TIME_LIMIT_S``, and the process's peak RSS grows by less
@@ -90,7 +90,7 @@ def build_seeds() -> dict[str, bytes]:
 
 
 def rich_seed(cal: Any, g: Any) -> Any:
-    """``cal`` with mean queries, their key-to-query map and a token map (a version-9 calibration)."""
+    """``cal`` with mean queries, their key-to-query map and a token map."""
     import torch
 
     from kvtc.calibration.token_map import LAGS, PROBE_ROWS, TokenMap
