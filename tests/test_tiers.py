@@ -191,8 +191,12 @@ def test_calibration_with_queries_keeps_its_name(cal, tmp_path):
     blob = Codec(cal, 8).encode(tiered_slice())
     assert torch.equal(Codec(plain, 8).decode(blob).keys, Codec(cal, 8).decode(blob).keys)
     assert Codec(plain, 8).tiers is None and Codec.inspect(Codec(plain, 8).encode(tiered_slice()))["tiers"] is None
-    with pytest.raises(ValueError, match="'auto', 'two' or 'none'"):
-        Codec(cal, 8, tiers=(4, 12))  # explicit tier pairs were a study's knob
+    with pytest.raises(CalibrationError, match="records queries"):
+        Codec(plain, 8, tiers=(4, 12))
+    with pytest.raises(CalibrationError, match="no bit plan for ratio 6"):
+        Codec(cal, 8, tiers=(6, 12))
+    with pytest.raises(ValueError, match="'auto', 'two', 'none' or"):
+        Codec(cal, 8, tiers="three")
     assert Codec(cal, 4).tiers is None  # no plans at 2 and 6: one plan for every token
     with pytest.raises(CalibrationError, match="mean queries must be"):
         dataclasses.replace(cal, queries=cal.queries[:, :1])

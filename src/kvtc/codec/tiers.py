@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FormatError
+from ..errors import CalibrationError, FormatError
 
 #: the tiers' targets as multiples of the blob's target (the share of high-tier tokens follows, see :func:`share`)
 HIGH_FACTOR = 0.5
@@ -327,8 +327,20 @@ def resolve(cal: Any, ratio: float, asked: Any) -> tuple[tuple[str, str, float] 
         if pair is None:
             return None, None
         high, low = pair
-    else:
-        raise ValueError(f"tiers must be 'auto', 'two' or 'none', got {asked!r}")
+    else:  # an explicit pair (the decode-memory benchmark and tests pin their tiers this way)
+        try:
+            high, low = (float(x) for x in asked)
+        except (TypeError, ValueError):
+            raise ValueError(f"tiers must be 'auto', 'two', 'none' or (high, low) targets, got {asked!r}") from None
+        if cal.queries is None:
+            raise CalibrationError(
+                "token-adaptive tiers need a calibration that records queries (`kvtc calibrate` with the default "
+                "recipe); this one does not"
+            )
+        for r in (high, low):
+            cal.plans_for(r)  # raises, naming the ratios it has
+        if not high < ratio < low:
+            raise ValueError(f"tier targets must bracket the target: {high:g} < {ratio:g} < {low:g}")
     return (ratio_key(high), ratio_key(low), round(share(ratio, high, low), 6)), None
 
 
