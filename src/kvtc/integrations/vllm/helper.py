@@ -202,6 +202,12 @@ class CodecProcess:
             self.restarts += 1
         if self._reader is not None:
             self._reader.join(timeout=5)  # the old process's replies are all read
+        for pipe in (getattr(self.proc, "stdin", None), getattr(self, "replies", None)):
+            try:  # the old process's pipes: closed, so that restarts leak no descriptors
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
         self._start()
         return self.alive
 
