@@ -1,7 +1,7 @@
 """Calibration time and peak memory of the embedded models' default calibrations on CPU, stage by stage.
 
     python benchmarks/calibration_cpu.py [--models smollm2,gemma3] [--tokens N] [--threads 2] [--baseline REV]
-                                         [--curve 10000,20000,40000]
+                                         [--curve 10000,20000,40000] [--keep]
 
 Each calibration is built from scratch (the default recipe, the pre-2000 State of the Union speeches) in a fresh
 process, which reports the seconds of each stage and its peak resident memory (``ru_maxrss``): the sensitivity pass,
@@ -10,7 +10,8 @@ eigendecomposition, less the forwards) and the DP bit allocation. ``--baseline R
 git revision of this repository (its ``src``, taken with ``git archive`` into a temporary folder), in the same run,
 so that before and after come from one machine and day. ``--curve``: calibrations at those token counts, each
 scored by ``kvtc eval`` (next-token KL at 16x and 64x on its default held-out windows): the quality against the
-calibration's size. Writes benchmarks/results/calibration_cpu.json, the ``calibration_cpu`` section of
+calibration's size. ``--keep``: the calibrations of this code at the default token count are saved where the embedded
+defaults are cached (``kvtc.integrations.hf_calibrate.default_calibration_path``), so the run also builds them. Writes benchmarks/results/calibration_cpu.json, the ``calibration_cpu`` section of
 BENCHMARKS.md and its full form, docs/results/calibration_cpu.md.
 """
 
@@ -120,9 +121,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline", metavar="REV", help="also calibrate with the kvtc of this git revision")
     ap.add_argument("--curve", default="", help="token counts to score with kvtc eval, comma separated")
+    ap.add_argument("--keep", action="store_true", help="save this code's default calibrations into the asset cache")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     from kvtc.calibration.recipe import DEFAULT_RECIPE, DEFAULT_TOKENS
+    from kvtc.integrations.hf_calibrate import default_calibration_path
 
     tokens = args.tokens or DEFAULT_TOKENS
     models = [m for m in args.models.split(",") if m]
@@ -134,7 +137,8 @@ def main() -> None:
         for model in models:
             for label, src, n in (("now", ROOT / "src", tokens), *((("before", base, 100_000),) if base else ())):
                 print(f"{model}: calibrating ({label}, {n:,} tokens)", file=sys.stderr, flush=True)
-                r = run_worker(src, model, n, args.threads, "-")
+                keep = args.keep and label == "now" and n == DEFAULT_TOKENS
+                r = run_worker(src, model, n, args.threads, str(default_calibration_path(model=model)) if keep else "-")
                 result["runs"].append({"model": model, "code": label, "tokens": n, **r})
                 rows.append({"model": model, "code": args.baseline if label == "before" else "this", "tokens": f"{n:,}",
                              **{k: fmt(v) for k, v in r["stages"].items()}, "peak MB": r["peak_rss_mb"]})  # fmt: skip
