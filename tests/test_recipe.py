@@ -158,7 +158,7 @@ def test_a_file_of_another_format_version_is_refused_with_its_version_and_rebuil
 def test_a_recorded_recipe_with_a_removed_choice_is_refused(cal):
     data = cal.to_bytes()
     assert Calibration.from_bytes(data).hash == cal.hash
-    recorded = {**Recipe().to_dict(), **RETIRED}  # an r17 file records the retired fields at their one value
+    recorded = {**Recipe().to_dict(), **RETIRED}  # an r16 file records the retired fields at their one value
     assert Calibration.from_bytes(_rewritten(data, lambda m: m["stats"].update(recipe=recorded))).hash == cal.hash
     removed = {
         "rate": "coded",
@@ -223,8 +223,8 @@ def test_recipes_are_values_and_the_default_ones_have_names():
     ladder = [96, 64, 6.0, 7, 7.5, 8, 10, 12, 16, 24, 32, 48, 8, 4, 18, 36, 72, 192, 144]
     assert Recipe() == Recipe(ratios=ladder) and hash(Recipe()) == hash(Recipe())
     assert Recipe().ratios == tuple(sorted(Recipe().ratios))
-    assert Recipe().name == "r17" and Recipe(tokens=4096).name == "r17"
-    assert Recipe(sensitivity="none").name == "r17u"
+    assert Recipe().name == "r16" and Recipe(tokens=4096).name == "r16"
+    assert Recipe(sensitivity="none").name == "r16u"
     # anything else is no named recipe
     assert Recipe(token_map="off").name is None and Recipe(forward="model").name is None
     assert Recipe(queries="none").name is None
@@ -245,10 +245,10 @@ def test_the_cli_builds_its_recipe_from_the_options():
     def recipe(*argv):
         return recipe_from_args(build_parser().parse_args(["calibrate", *argv]))
 
-    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r17"
+    assert recipe() == Recipe() and recipe("--tokens", "4096").name == "r16"
     assert recipe("--token-map", "off").token_map == "off" and recipe("--token-map", "off").name is None
     assert recipe("--forward", "model").forward == "model" and recipe("--forward", "model").name is None
-    assert recipe("--sensitivity", "none").name == "r17u" and recipe("--queries", "none").queries == "none"
+    assert recipe("--sensitivity", "none").name == "r16u" and recipe("--queries", "none").queries == "none"
     assert recipe("--ratios", "8", "16").ratios == (8.0, 16.0) and recipe("--ratios", "8").name is None
     assert recipe("--types", "paper").name is None and recipe("--value-weight", "1").value_weight == 1.0
     assert recipe("--types", "r9").name is None
@@ -279,8 +279,8 @@ def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path,
 
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
     smollm2, gemma3 = (default_calibration_path(model=m) for m in ("smollm2", "gemma3"))
-    assert smollm2.name == f"smollm2-sotu-pre2000-{DEFAULT_TOKENS}-r17.safetensors"
-    assert gemma3.name == f"gemma3-sotu-pre2000-{DEFAULT_TOKENS}-r17.safetensors"
+    assert smollm2.name == f"smollm2-sotu-pre2000-{DEFAULT_TOKENS}-r16.safetensors"
+    assert gemma3.name == f"gemma3-sotu-pre2000-{DEFAULT_TOKENS}-r16.safetensors"
     assert smollm2.parent == gemma3.parent == tmp_path / "calibrations"
     assert default_calibration_path() == default_calibration_path(model="default") == smollm2
     assert default_calibration_path(Recipe(sensitivity="none"), model="gemma-3-270m").name.startswith("gemma3-")

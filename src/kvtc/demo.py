@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calibration", type=Path, help="a calibration file for the model instead of its default one")
     p.add_argument(
-        "--calibration-tokens", type=int, help="tokens of the default calibration (default 50,000; built once, cached)"
+        "--calibration-tokens", type=int, help="tokens of the default calibration (default 100,000; built once, cached)"
     )
 
 

@@ -8,8 +8,8 @@ tensors, same plans, same content hash. Across CPUs the float reductions of the 
 differ in the last bits, so an independently rebuilt calibration has another content hash and does not decode
 blobs the first one encoded (``CalibrationMismatch``): copy the calibration file instead.
 
-The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r17`` is ``Recipe()``,
-``r17u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
+The recipes of the embedded default's cached calibrations have names (:data:`RECIPES`): ``r16`` is ``Recipe()``,
+``r16u`` ``Recipe(sensitivity="none")``; :attr:`Recipe.name` finds it (``tokens`` aside: the cached file names carry
 the token count), so a new default recipe is a new name and a new file.
 """
 
@@ -83,14 +83,10 @@ RETIRED: dict[str, str] = {
     "sensitivity_labels": "text",
     "sampling": "spread",
 }
-#: calibration size of the embedded default (the paper used ~160K tokens for 8B models). Drawn as windows of 512
-#: tokens, 50,000 score the same next-token KL at 16x and 64x as 100,000 in windows of 1,024 and build in half the
-#: time; 30,000 cost 7% at 64x (docs/studies/calibration-tokens.md)
-DEFAULT_TOKENS = 50_000
-#: tokens per calibration window (the paper used documents of 1K–32K tokens): shorter windows from more documents
-#: describe a corpus better per token than longer ones from fewer (at 50,000 tokens, 512 scored 4-6% lower KL than
-#: 1,024)
-DEFAULT_WINDOW_TOKENS = 512
+#: calibration size of the embedded default (the paper used ~160K tokens for 8B models)
+DEFAULT_TOKENS = 100_000
+#: tokens per calibration window (the paper used documents of 1K–32K tokens)
+DEFAULT_WINDOW_TOKENS = 1024
 #: positions at the start of every window left out of the calibration: the codec's attention sinks
 #: (:data:`kvtc.codec.DEFAULT_SINKS`), which are never compressed and so must not shape the basis
 DEFAULT_CALIBRATION_SINKS = 4
@@ -249,15 +245,14 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 
 
 #: named recipes: the embedded default's cached calibrations are made with these (the file name carries the name).
-#: r17 (the default): one forward pass over 50,000 tokens in windows of 512, in bfloat16 (``forward="bfloat16"``, the
-#: sensitivity pass too), feeds the token map (cross-fitted on its first windows), the PCA, the DP rows and the
-#: recorded queries; the windows' plans by the rate ladder, each token less its token-map prediction where that pays,
-#: fixed-step planes sized under their components' Gaussians, Fisher-weighted features; r17u without the weighting
-#: (the eval's ablation). r16 was the same on 100,000 tokens in windows of 1,024 with a float32 sensitivity pass
-#: (docs/studies/calibration-tokens.md); what each earlier recipe added: docs/studies/history.md. Files of r16 still
-#: load; older recipes (r9-r15) and files (versions 1-9) are refused: rebuild.
-RECIPES: dict[str, Recipe] = {"r17": Recipe(), "r17u": Recipe(sensitivity="none")}
-DEFAULT_RECIPE = "r17"
-UNWEIGHTED_RECIPE = "r17u"
+#: r16 (the default): one forward pass over the calibration windows, in bfloat16 (``forward="bfloat16"``), feeds the
+#: token map (cross-fitted on its first windows), the PCA, the DP rows and the recorded queries; the windows' plans
+#: by the rate ladder, each token less its token-map prediction where that pays, fixed-step planes sized under their
+#: components' Gaussians, Fisher-weighted features; r16u without the weighting (the eval's ablation). What each
+#: earlier recipe (r9 to r15) added, and why r16 replaced them: docs/studies/history.md and
+#: docs/studies/calibration-speed.md. Older recipes (r9-r15) and files (versions 1-9) are refused: rebuild.
+RECIPES: dict[str, Recipe] = {"r16": Recipe(), "r16u": Recipe(sensitivity="none")}
+DEFAULT_RECIPE = "r16"
+UNWEIGHTED_RECIPE = "r16u"
 
 __all__ = ["DEFAULT_RATIOS", "DEFAULT_RECIPE", "RECIPES", "Recipe", "UNWEIGHTED_RECIPE"]

@@ -29,7 +29,7 @@ def add_calibrate(sub: Any) -> None:
         default=[DEFAULT_CORPUS],
         help="text files, or one builtin corpus: sotu-pre2000 (default), sotu-2000on, wikipedia",
     )
-    p.add_argument("--tokens", type=int, help="calibration tokens (default 50,000)")
+    p.add_argument("--tokens", type=int, help="calibration tokens (default 100,000)")
     p.add_argument("--ratios", type=ratio_value, nargs="+", help=RATIOS_HELP)
     p.add_argument(
         "--value-weight",

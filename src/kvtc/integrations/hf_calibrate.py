@@ -1,6 +1,6 @@
 """Calibrate any Hugging Face causal LM: run it over a corpus, collect pre-RoPE keys and values, fit.
 
-Sampling follows the paper: documents are cut into windows (default 512 tokens), the model is run over each
+Sampling follows the paper: documents are cut into windows (default 1,024 tokens), the model is run over each
 window, the first ``sinks`` positions of every window are excluded (attention sinks are never compressed, so they
 must not shape the basis), and every other position becomes one calibration row. Windows are drawn across the
 whole corpus (seeded, round-robin over as many documents as possible), not from its first documents: a corpus
@@ -199,7 +199,6 @@ def measure_sensitivity(
     recent: int = DEFAULT_WINDOW,
     progress: bool = True,
     seed: int = 0,
-    forward: str = "model",
 ) -> dict[str, torch.Tensor]:
     """How much the model's loss feels each cached feature: ``{"keys": [p], "values": [p]}`` float32, the mean
     squared gradient of the next-token loss with respect to the pre-RoPE keys and the values of a cache.
@@ -211,9 +210,7 @@ def measure_sensitivity(
     diagonal of the Fisher information: a small error ``δ`` costs about ``½ Σ F·δ²`` nats of KL.
 
     The labels are the text's own next tokens (the empirical Fisher). The windows are drawn across the texts
-    (:func:`corpus_windows`, seeded with ``seed + 1``). ``forward="bfloat16"`` runs the prefill and the
-    teacher-forced pass (forward and backward) with the model's matrix products in bfloat16 under autocast; the
-    cache's keys and values, and their gradients, stay float32.
+    (:func:`corpus_windows`, seeded with ``seed + 1``).
     """
     from transformers import DynamicCache
 
@@ -235,11 +232,11 @@ def measure_sensitivity(
             p.requires_grad_(False)
         for ids in corpus_windows(tokenizer, texts, context + continuation + 1, windows, seed + 1):
             ids = ids.to(device)
-            with torch.inference_mode(), _autocast(device, forward):
+            with torch.inference_mode():
                 cache = DynamicCache(config=model.config)
                 model.get_decoder()(input_ids=ids[None, :context], past_key_values=cache, use_cache=True)
             kv = extract_slice(cache, model)
-            with torch.enable_grad(), _autocast(device, forward):
+            with torch.enable_grad():
                 k = kv.keys.clone().float().requires_grad_(True)
                 v = kv.values.clone().float().requires_grad_(True)
                 lossy = rebuild_cache(
@@ -307,9 +304,8 @@ def calibrate_model(
             "continuation": recipe.sensitivity_continuation,
         }
         fisher = measure_sensitivity(
-            model, tokenizer, texts, **measured, sinks=recipe.sinks, progress=progress, seed=recipe.seed,
-            forward=recipe.forward,
-        )  # fmt: skip
+            model, tokenizer, texts, **measured, sinks=recipe.sinks, progress=progress, seed=recipe.seed
+        )
         feature_scale = sensitivity_scales(fisher, recipe.sensitivity_floor)
         meta_sens.update(measured, floor=recipe.sensitivity_floor, seconds=round(time.perf_counter() - t0, 3))
     # one forward pass over the calibration windows feeds the token map (fitted on the first of them), the PCA
@@ -370,7 +366,7 @@ def calibrate_model(
 
 def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model: str = "smollm2") -> Path:
     """An embedded model's calibration on pre-2000 State of the Union speeches made with a named ``recipe``
-    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r17, ``Recipe(sensitivity="none")`` r17u, the
+    (:data:`~kvtc.calibration.recipe.RECIPES`: ``Recipe()`` is r16, ``Recipe(sensitivity="none")`` r16u, the
     unweighted one of the eval's ablation; any ``tokens``), built on first use and cached; returns its path.
 
     ``model`` names the embedded model (:func:`kvtc.assets.embedded_model`: ``"smollm2"``, the default, or
@@ -419,7 +415,7 @@ def load_calibration(
     source: Calibration | str | os.PathLike[str], model: Any = None, progress: bool = True
 ) -> Calibration:
     """The calibration ``source`` names: a :class:`Calibration` (returned as is), a calibration file's path, or
-    ``"default"``: the embedded model's own (the ``r17`` recipe, built on first use and cached, one file per
+    ``"default"``: the embedded model's own (the ``r16`` recipe, built on first use and cached, one file per
     embedded model; see :func:`default_calibration`).
 
     ``model`` (optional) names the model it is for (hub id, local directory, ``"default"`` or an embedded model's
