@@ -11,8 +11,9 @@ git revision of this repository (its ``src``, taken with ``git archive`` into a 
 so that before and after come from one machine and day. ``--curve``: calibrations at those token counts, each
 scored by ``kvtc eval`` (next-token KL at 16x and 64x on its default held-out windows): the quality against the
 calibration's size. ``--keep``: the calibrations of this code at the default token count are saved where the embedded
-defaults are cached (``kvtc.integrations.hf_calibrate.default_calibration_path``), so the run also builds them. Writes benchmarks/results/calibration_cpu.json, the ``calibration_cpu`` section of
-BENCHMARKS.md and its full form, docs/results/calibration_cpu.md.
+defaults are cached (``kvtc.integrations.hf_calibrate.default_calibration_path``), so the run also builds them.
+Writes benchmarks/results/calibration_cpu.json, the ``calibration_cpu`` section of BENCHMARKS.md and its full form,
+docs/results/calibration_cpu.md.
 """
 
 from __future__ import annotations
