@@ -4,7 +4,8 @@
                                          [--curve 10000,20000,40000] [--keep]
 
 Each calibration is built from scratch (the default recipe, the pre-2000 State of the Union speeches) in a fresh
-process, which reports the seconds of each stage and its peak resident memory (``ru_maxrss``): the sensitivity pass,
+process, which reports the seconds of each stage, its peak resident memory (``ru_maxrss``), the saved file's size and
+the time to load it back (``Calibration.load``: read, validated, hashed): the sensitivity pass,
 the one forward pass over the calibration windows (collect), the token map's fit, the PCA (covariance and
 eigendecomposition, less the forwards) and the DP bit allocation. ``--baseline REV``: the same for the kvtc of that
 git revision of this repository (its ``src``, taken with ``git archive`` into a temporary folder), in the same run,
@@ -50,14 +51,17 @@ t0 = time.perf_counter()
 cal = calibrate_model(model, tok, texts, Recipe(tokens=tokens), model_id=embedded.name, corpus={"name": "sotu-pre2000"},
                       progress=False)
 wall = time.perf_counter() - t0
-if out != "-":
-    cal.save(out)
+cal.save(out)
+t1 = time.perf_counter()
+type(cal).load(out)  # read, checked and hashed as every user of the file does (the file in the page cache)
+load = time.perf_counter() - t1
 s = dict(cal.stats["seconds"])
 print(json.dumps({
     "wall": wall, "seconds": s,
     "sensitivity": (cal.corpus.get("sensitivity") or {}).get("seconds"),
     "token map": (cal.corpus.get("token_map") or {}).get("seconds"),
     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "file_mb": __import__("os").path.getsize(out) / 1e6, "load_s": load,
     "recipe": cal.stats.get("recipe", {}).get("tokens"), "hash": cal.hash,
 }))
 """
@@ -88,7 +92,8 @@ def run_worker(src: Path, model: str, tokens: int, threads: int, out: str) -> di
         "dp": s.get("dp"),
         "total": s.get("total"),
     }
-    return {"stages": stages, "peak_rss_mb": round(r["peak_rss_mb"]), "wall": r["wall"], "hash": r["hash"]}
+    return {"stages": stages, "peak_rss_mb": round(r["peak_rss_mb"]), "wall": r["wall"], "hash": r["hash"],
+            "file_mb": round(r["file_mb"], 1), "load_s": round(r["load_s"], 2)}  # fmt: skip
 
 
 def baseline_src(rev: str, tmp: Path) -> Path:
@@ -139,10 +144,12 @@ def main() -> None:
             for label, src, n in (("now", ROOT / "src", tokens), *((("before", base, 100_000),) if base else ())):
                 print(f"{model}: calibrating ({label}, {n:,} tokens)", file=sys.stderr, flush=True)
                 keep = args.keep and label == "now" and n == DEFAULT_TOKENS
-                r = run_worker(src, model, n, args.threads, str(default_calibration_path(model=model)) if keep else "-")
+                out = default_calibration_path(model=model) if keep else tmp_path / f"{model}-{label}.safetensors"
+                r = run_worker(src, model, n, args.threads, str(out))
                 result["runs"].append({"model": model, "code": label, "tokens": n, **r})
                 rows.append({"model": model, "code": args.baseline if label == "before" else "this", "tokens": f"{n:,}",
-                             **{k: fmt(v) for k, v in r["stages"].items()}, "peak MB": r["peak_rss_mb"]})  # fmt: skip
+                             **{k: fmt(v) for k, v in r["stages"].items()}, "peak MB": r["peak_rss_mb"],
+                             "file MB": f"{r['file_mb']:.0f}", "load s": f"{r['load_s']:.1f}"})  # fmt: skip
             for n in [int(t) for t in args.curve.split(",") if t]:
                 path = str(tmp_path / f"{model}-{n}.safetensors")
                 print(f"{model}: curve point {n:,} tokens", file=sys.stderr, flush=True)
@@ -159,10 +166,12 @@ def main() -> None:
     head = (
         "### Calibration on CPU: the embedded models' default calibrations\n\n"
         f"The default recipe ({DEFAULT_RECIPE}), pre-2000 State of the Union speeches, each built from scratch in a "
-        f"fresh process with {args.threads} torch threads; seconds per stage and peak resident memory. "
+        f"fresh process with {args.threads} torch threads; seconds per stage, peak resident memory, the file's size "
+        "and the seconds `Calibration.load` takes to read, check and hash it (the file just written, in the page "
+        "cache). "
         f"{m['cpu']}, {m['date']}. `{result['command']}`"
     )
-    cols = ["model", "code", "tokens", *STAGES, "peak MB"]
+    cols = ["model", "code", "tokens", *STAGES, "peak MB", "file MB", "load s"]
     md = [head, "", table(rows, cols)]
     if curve_rows:
         md += ["", "Quality against calibration tokens (`kvtc eval`, next-token KL on its default held-out windows):",

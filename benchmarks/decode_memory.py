@@ -180,7 +180,7 @@ def token_map(cal, seed: int = 7):
     emb = torch.randn(VOCAB, EMB_DIM, generator=g)
     f, p = LAGS * EMB_DIM, cal.layout.num_features
     weights = {k: (torch.randn(f, p, generator=g) * 0.05).half() for k in ("keys", "values")}
-    tm = TokenMap(LAGS, VOCAB, torch.zeros(f), torch.ones(f), weights, emb[probe_ids(VOCAB)])
+    tm = TokenMap.from_weights(LAGS, VOCAB, torch.zeros(f), torch.ones(f), weights, emb[probe_ids(VOCAB)])
     return dataclasses.replace(cal, token_map=tm), emb
 
 

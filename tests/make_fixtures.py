@@ -3,7 +3,7 @@
     python tests/make_fixtures.py            # the small, current and token-map sets
     python tests/make_fixtures.py --out DIR  # the same sets under DIR (to compare with the checked-in ones)
 
-Each set is a calibration (file version 10: float16 PCA bases), a slice (``sample_input.safetensors``), its blob
+Each set is a calibration (file version 11: float16 PCA bases, an int8 token map), a slice (``sample_input.safetensors``), its blob
 (``sample.kvtc``) and what the blob decodes to (``sample_decoded.safetensors``); every blob must decode byte for byte
 and its slice re-encode to the same bytes.
 
@@ -15,7 +15,7 @@ and its slice re-encode to the same bytes.
   embeddings and the map hold small multiples of 1/8, so the prediction is exact in float32 whatever order a CPU
   sums in.
 
-tests/fixtures/legacy/ is not written here: files of formats this kvtc refuses (calibration versions 1 and 9, a blob
+tests/fixtures/legacy/ is not written here: files of formats this kvtc refuses (calibration versions 1, 9 and 10, a blob
 of the first encoder), kept to test that they are refused with a message saying to rebuild.
 """
 
@@ -86,9 +86,11 @@ def write_predicted(here, tokens=256):
     g = torch.Generator().manual_seed(99)
     vocab, dim, p = 64, 4, layout.num_features
     emb = torch.randint(-4, 5, (vocab, dim), generator=g).float()
-    weights = {k: (torch.randint(-4, 5, (LAGS * dim, p), generator=g) / 8).half() for k in ("keys", "values")}
+    # int8 weights in -4..4 with column scales of 1/8 (as a calibration stores a map): weights of 1/8 steps
+    weights = {k: torch.randint(-4, 5, (LAGS * dim, p), generator=g).to(torch.int8) for k in ("keys", "values")}
+    scales = {k: torch.full((p,), 1 / 8) for k in weights}
     f = LAGS * dim
-    tm = TokenMap(LAGS, vocab, torch.zeros(f), torch.ones(f), weights, emb[probe_ids(vocab)])
+    tm = TokenMap(LAGS, vocab, torch.zeros(f), torch.ones(f), weights, scales, emb[probe_ids(vocab)])
 
     def predicted(ids):
         x = lagged(emb, ids, LAGS)

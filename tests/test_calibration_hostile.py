@@ -425,7 +425,7 @@ def rich_calibration() -> Calibration:
         layout, [(rows(256), rows(256) * 0.3)], Recipe(ratios=(4, 8), dp_rows=128), feature_scale=scales
     )
     f = LAGS * E
-    token_map = TokenMap(
+    token_map = TokenMap.from_weights(
         LAGS,
         VOCAB,
         torch.randn(f, generator=g),
@@ -455,7 +455,8 @@ BAD = {
     "divisor": [0.0, -0.0, -1.0, -TINY, TINY / 2, 1e-45, 1e-40, math.inf, -math.inf, math.nan],
     "std": [0.0, -1.0, 1e-40, 1e-7, 5e-7, math.inf, math.nan],
 }
-ROLES = {name: "finite" for name in RICH._tensors()}
+# the int8 token-map weights hold only finite values: their column scales are what a forger would break
+ROLES = {name: "finite" for name, t in RICH._tensors().items() if t.is_floating_point()}
 for _name in ROLES:
     ROLES[_name] = {"eigenvalues": "spectrum", "scale": "divisor"}.get(_name.rsplit(".", 1)[-1], "finite")
 ROLES["queries.scale"] = "divisor"
@@ -467,11 +468,16 @@ def _hostile_copy(name: str, index: int, value: float) -> tuple[Calibration, tor
     """A deep copy of RICH with one value of tensor ``name`` set in place (no validation), its hash recomputed as
     a forger would; and the tensor."""
     cal = copy.deepcopy(RICH)
-    target = {"queries": cal.queries, "queries.scale": cal.query_scales, "queries.map": cal.query_map}.get(name)
-    if target is None and name.startswith("tokens."):
+    target = {"queries": cal.queries, "queries.scale": cal.query_scales}.get(name)
+    if name.startswith("queries.map."):  # parts of the file's map (the calibration holds it whole): forged there
+        tensors = cal._tensors()
+        target = tensors[name] = tensors[name].clone()
+        cal._tensors = lambda: tensors  # type: ignore[method-assign]
+    elif target is None and name.startswith("tokens."):
         tm = cal.token_map
         part = name.split(".", 1)[1]
-        target = tm.weights[part] if part in ("keys", "values") else getattr(tm, part)
+        kind = part.removesuffix(".scale")
+        target = tm.scales[kind] if part != kind else tm.weights[part] if part in tm.weights else getattr(tm, part)
     elif target is None:
         kind, g, part = name.split(".")
         target = getattr(cal.pcas[kind][int(g)], part)
@@ -482,7 +488,7 @@ def _hostile_copy(name: str, index: int, value: float) -> tuple[Calibration, tor
 
 
 def test_the_rich_calibration_round_trips():
-    assert set(CHECKED) >= {"keys.0.scale", "tokens.std", "queries.scale", "queries.map", "tokens.keys"}
+    assert set(CHECKED) >= {"keys.0.scale", "tokens.std", "queries.scale", "queries.map.scale", "tokens.keys.scale"}
     for cal in (Calibration.from_bytes(RICH_BYTES), Calibration.load(RICH.save(_TMP / "rich.safetensors"))):
         assert cal.hash == RICH.hash and cal.version == FORMAT_VERSION
 

@@ -46,7 +46,7 @@ def _forged(cal: Calibration, tensors: dict[str, torch.Tensor] | None = None) ->
 
 
 def test_a_fitted_calibration_equals_its_saved_file(cal, tmp_path):
-    assert cal.version == FORMAT_VERSION == 10
+    assert cal.version == FORMAT_VERSION == 11
     back = Calibration.load(cal.save(tmp_path / "cal.safetensors"))
     assert back.hash == cal.hash and back.version == cal.version
     assert all(p.basis.dtype == torch.float16 for kind in ("keys", "values") for p in back.pcas[kind])

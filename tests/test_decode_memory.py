@@ -99,7 +99,7 @@ def token_map(cal):
     emb = torch.randn(512, 64, generator=gen)
     f = LAGS * 64
     w = {k: (torch.randn(f, cal.layout.num_features, generator=gen) * 0.05).half() for k in ("keys", "values")}
-    return dataclasses.replace(cal, token_map=TokenMap(LAGS, 512, torch.zeros(f), torch.ones(f), w, emb[probe_ids(512)])), emb
+    return dataclasses.replace(cal, token_map=TokenMap.from_weights(LAGS, 512, torch.zeros(f), torch.ones(f), w, emb[probe_ids(512)])), emb
 
 
 cases = {}

@@ -70,10 +70,10 @@ def test_current_fixture_uses_every_cpu_coder_and_reencodes_byte_exactly():
 LEGACY = FIX / "legacy"
 
 
-@pytest.mark.parametrize("version", [1, 9])
+@pytest.mark.parametrize("version", [1, 9, 10])
 def test_calibration_files_of_older_versions_are_refused_saying_to_rebuild(version):
-    """Files of the formats kvtc no longer reads (the first encoder's version 1, the float32 bases of version 9)
-    are refused by their version, with the fix."""
+    """Files of the formats kvtc no longer reads (the first encoder's version 1, the float32 bases of version 9,
+    the float16 token map of version 10) are refused by their version, with the fix."""
     with pytest.raises(CalibrationError, match=rf"(?i)version {version}\b.*rebuild"):
         Calibration.load(LEGACY / f"calibration-v{version}.safetensors")
 

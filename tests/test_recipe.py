@@ -115,7 +115,7 @@ def test_a_checksummed_file_refuses_any_changed_byte(cal, tmp_path):
     data = cal.to_bytes()
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["kvtc"])
-    assert meta["version"] == cal.version == FORMAT_VERSION == 10 and meta["hash"] == cal.hash
+    assert meta["version"] == cal.version == FORMAT_VERSION == 11 and meta["hash"] == cal.hash
     assert len(meta["checksum"]) == 64 and cal.pcas["keys"][0].basis.dtype == torch.float16
     # the eigenvalues are no part of the hash, but the checksum covers them
     start, _ = json.loads(data[8 : 8 + n])["keys.0.eigenvalues"]["data_offsets"]
@@ -143,7 +143,7 @@ def _rewritten(data: bytes, edit) -> bytes:
     return save(tensors, metadata={"kvtc": json.dumps(meta, sort_keys=True)})
 
 
-@pytest.mark.parametrize("version", [1, 3, 4, 9, 11])
+@pytest.mark.parametrize("version", [1, 3, 4, 9, 10, 12])
 def test_a_file_of_another_format_version_is_refused_with_its_version_and_rebuild(cal, tmp_path, version):
     data = _rewritten(cal.to_bytes(), lambda meta: meta.update(version=version))
     with pytest.raises(CalibrationError, match=rf"format version {version}\b.*rebuild it") as e:
@@ -279,8 +279,9 @@ def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path,
 
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
     smollm2, gemma3 = (default_calibration_path(model=m) for m in ("smollm2", "gemma3"))
-    assert smollm2.name == f"smollm2-sotu-pre2000-{DEFAULT_TOKENS}-r16.safetensors"
-    assert gemma3.name == f"gemma3-sotu-pre2000-{DEFAULT_TOKENS}-r16.safetensors"
+    # the file format in the name: an upgrade that changes it builds a new file instead of refusing the cached one
+    assert smollm2.name == f"smollm2-sotu-pre2000-{DEFAULT_TOKENS}-r16-v{FORMAT_VERSION}.safetensors"
+    assert gemma3.name == f"gemma3-sotu-pre2000-{DEFAULT_TOKENS}-r16-v{FORMAT_VERSION}.safetensors"
     assert smollm2.parent == gemma3.parent == tmp_path / "calibrations"
     assert default_calibration_path() == default_calibration_path(model="default") == smollm2
     assert default_calibration_path(Recipe(sensitivity="none"), model="gemma-3-270m").name.startswith("gemma3-")

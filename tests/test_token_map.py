@@ -124,7 +124,7 @@ def _fixture():
 
 def test_fixture_decodes_and_reencodes_byte_exactly():
     cal, emb, kv, blob = _fixture()
-    assert cal.version == 10 and cal.token_map is not None
+    assert cal.version == 11 and cal.token_map is not None
     info = Codec.inspect(blob)
     assert info["version"] == 5 and [s["name"] for s in info["sections"]][:2] == ["positions", "tokens"]
     codec = Codec(cal, ratio=8, sinks=2, window=4, embeddings=emb)

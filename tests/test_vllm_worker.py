@@ -277,7 +277,7 @@ def _token_map_codecs(tmp_path: Path) -> tuple[Codecs, ConnectorConfig, torch.Te
     emb = model.get_input_embeddings().weight.detach()
     f, p = LAGS * emb.shape[1], layout.num_features
     weights = {k: (torch.randn(f, p, generator=g) * 0.05).half() for k in ("keys", "values")}
-    tm = TokenMap(
+    tm = TokenMap.from_weights(
         LAGS,
         emb.shape[0],
         emb.float().mean(0).repeat(LAGS),

@@ -17,11 +17,15 @@ Tensors, for ``kind`` in ``keys``/``values`` and PCA group index ``g``:
   calibration corpus (``G`` query heads per KV head) and the attention's logit scale per layer. The encoder ranks
   tokens by the attention they receive (:mod:`kvtc.codec.tiers`); decoding never reads them, so they are no part of
   the calibration's ``hash``
-* ``queries.map`` float32 ``[layers, heads, head_dim + 1, G · head_dim]`` — only beside ``queries``, in a calibration
+* ``queries.map`` ``[layers, heads, head_dim + 1, G · head_dim]`` — only beside ``queries``, in a calibration
   that also records the key-to-query map: ``[pre-RoPE key, 1] @ map[layer, head]`` predicts the
   pre-RoPE queries of the ``G`` query heads that read that KV head (a ridge regression on the calibration corpus).
-  Encoder-only as well
-* ``tokens.mean``, ``tokens.std``, ``tokens.probe``, ``tokens.keys``, ``tokens.values`` — only in a calibration
+  Encoder-only as well. Held as float32 on an int8 grid (rounded to it when the calibration is made, as the bases
+  are to float16) and stored as ``queries.map`` int8 ``[layers, heads, head_dim, G · head_dim]`` (the key rows),
+  ``queries.map.scale`` float32 ``[layers, heads, G · head_dim]`` (a power of two per column) and
+  ``queries.map.bias`` float32 ``[layers, heads, G · head_dim]`` (the intercept): :func:`query_map_parts`
+* ``tokens.mean``, ``tokens.std``, ``tokens.probe``, ``tokens.keys``, ``tokens.values`` (int8) and their column
+  scales ``tokens.keys.scale``, ``tokens.values.scale`` — only in a calibration
   that carries a token map (:mod:`kvtc.calibration.token_map`): the codec codes each token's
   K/V less the map's prediction from its token ids, so they are part of the hash
 
@@ -30,9 +34,9 @@ RoPE spec (as the model adapter serialised it, or null), model id, corpus descri
 per kind and group, free-form statistics, ``hash`` (the calibration's name: what decoding depends on) and
 ``checksum`` (the whole file), see :mod:`kvtc.calibration.digest`. Loading recomputes both and validates every
 shape before anything is used; it never executes code (no pickle). The format version is
-:data:`~kvtc.calibration.meta.FORMAT_VERSION` (10); a calibration whose recorded recipe (``stats["recipe"]``) holds
+:data:`~kvtc.calibration.meta.FORMAT_VERSION` (11); a calibration whose recorded recipe (``stats["recipe"]``) holds
 a choice the current :class:`~kvtc.calibration.recipe.Recipe` lacks is refused too
-(:func:`~kvtc.calibration.recipe.check_recorded`). Older recipes (r9-r15) and files (versions 1-9) are refused:
+(:func:`~kvtc.calibration.recipe.check_recorded`). Older recipes (r9-r15) and files (versions 1-10) are refused:
 rebuild.
 """
 
@@ -60,7 +64,7 @@ from .meta import FORMAT_NAME, FORMAT_VERSION, header_length, kvtc_meta, read_he
 from .pca import PCAResult
 from .plan import PAPER_TYPES, Plan
 from .recipe import check_recorded
-from .token_map import TokenMap
+from .token_map import TokenMap, quantize_weights
 from .validation import check_tensors, shard, validate
 
 KINDS = ("keys", "values")
@@ -106,12 +110,16 @@ class Calibration:
         self.hash = self._compute_hash()
 
     def _round_bases(self) -> None:
-        """Hold every basis in float16 (rounding a float32 one): what the file will store, so that a calibration and
-        its saved file have one hash. ``pcas`` is rebuilt, never changed in place (the caller's lists and results
-        stay as they were); malformed ``pcas`` are left to :meth:`validate`."""
+        """Hold every basis in float16 (rounding a float32 one) and the key-to-query map on its int8 grid
+        (:func:`query_map_parts`): what the file will store, so that a calibration and its saved file are one.
+        ``pcas`` is rebuilt, never changed in place (the caller's lists and results stay as they were); malformed
+        ``pcas`` and maps are left to :meth:`validate`."""
+        m = self.query_map
+        if isinstance(m, torch.Tensor) and m.is_floating_point() and m.dim() == 4 and m.shape[2] > 1:
+            self.query_map = query_map_dense(*query_map_parts(m))
+        dtype = torch.float16
         if not isinstance(self.pcas, dict):
             return
-        dtype = torch.float16
         self.pcas = {
             kind: [
                 dataclasses.replace(p, basis=p.basis.to(dtype))
@@ -273,7 +281,8 @@ class Calibration:
             out["queries"] = self.queries.contiguous()
             out["queries.scale"] = self.query_scales.contiguous()
             if self.query_map is not None:
-                out["queries.map"] = self.query_map.contiguous()
+                q, scale, bias = query_map_parts(self.query_map)
+                out.update({"queries.map": q, "queries.map.scale": scale, "queries.map.bias": bias})
         if self.token_map is not None:
             out.update(self.token_map.tensors())
         return out
@@ -388,7 +397,11 @@ class Calibration:
                 library_version=str(meta["library_version"]),
                 queries=tensors.get("queries"),
                 query_scales=tensors.get("queries.scale"),
-                query_map=tensors.get("queries.map"),
+                query_map=None
+                if "queries.map" not in tensors
+                else query_map_dense(
+                    tensors["queries.map"], tensors["queries.map.scale"], tensors["queries.map.bias"], source
+                ),
                 token_map=None if meta.get("token_map") is None else TokenMap.from_parts(meta["token_map"], tensors),
             )
         except (KeyError, TypeError, ValueError, IndexError, LayoutError) as e:
@@ -413,6 +426,31 @@ class Calibration:
 
         Only possible when every PCA group lies within the shard (``PCAGrouping("head_shards", n)``)."""
         return shard(self, heads)
+
+
+def query_map_parts(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key-to-query map ``[L, H, D + 1, G·D]`` as a file stores it: the key rows as int8 ``[L, H, D, G·D]``
+    with a power-of-two float32 scale per column ``[L, H, G·D]`` (:func:`~kvtc.calibration.token_map.quantize_weights`:
+    a map on that grid is stored again as the same bytes), and the intercept row as float32 ``[L, H, G·D]``. The
+    rounding moves the predicted queries by about 0.6% (SmolLM2-135M) and 0.9% (Gemma-3-270M) of their norm
+    (docs/studies/calibration-size.md); the map only ranks tokens for the encoder."""
+    q, scale = quantize_weights(m[:, :, :-1], dim=-2, power_of_two=True)
+    return q.contiguous(), scale.contiguous(), m[:, :, -1].float().contiguous()
+
+
+def query_map_dense(
+    q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, source: Any = "calibration"
+) -> torch.Tensor:
+    """The float32 ``[L, H, D + 1, G·D]`` map of a file's parts (:func:`query_map_parts`), their shapes checked."""
+    if not (
+        q.dim() == 4 and scale.shape == bias.shape == (*q.shape[:2], q.shape[3]) and q.dtype == torch.int8
+        and scale.dtype == bias.dtype == torch.float32
+    ):  # fmt: skip
+        raise CalibrationError(
+            f"{source}: key-to-query map tensors of shapes {list(q.shape)}, {list(scale.shape)}, {list(bias.shape)} "
+            "do not fit together; the file is corrupt: rebuild the calibration (`kvtc calibrate`)"
+        )
+    return torch.cat([q.float() * scale.unsqueeze(2), bias.unsqueeze(2)], 2)
 
 
 def _names(names: set[str]) -> str:

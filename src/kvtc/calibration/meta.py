@@ -70,10 +70,11 @@ MAX_TENSORS = 1 << 17
 MAX_META_ENTRIES = 64
 
 
-#: The calibration file format version kvtc writes and reads: 10. Its content is told by the file, not the version:
-#: the plans' quantization types, feature scales (``scaled``), ``queries`` (with ``map`` or not) and ``token_map``.
-#: Older files (versions 1-9) are refused: rebuild.
-FORMAT_VERSION = 10
+#: The calibration file format version kvtc writes and reads: 11 (version 10 stored the token map as float16 and the
+#: key-to-query map as float32; 11 stores both maps' weights as int8). Its content is told by the file, not the version: the plans' quantization types,
+#: feature scales (``scaled``), ``queries`` (with ``map`` or not) and ``token_map``. Older files (versions 1-10) are
+#: refused: rebuild.
+FORMAT_VERSION = 11
 
 
 def parse_json(raw: Any, source: Any, limit: int = MAX_META_BYTES) -> Any:
@@ -201,7 +202,7 @@ def validate_meta(meta: Any, source: Any) -> None:
         )
     version = _int(meta.get("version"), f"{where} 'version'", 0, 1 << 16)
     if version != FORMAT_VERSION:
-        newer = "upgrade kvtc or " if version > FORMAT_VERSION else "files of versions 1-9 are refused: "
+        newer = "upgrade kvtc or " if version > FORMAT_VERSION else "files of versions 1-10 are refused: "
         raise CalibrationError(
             f"{source}: a calibration file of format version {version}; this kvtc reads version {FORMAT_VERSION} "
             f"only ({newer}rebuild it with `kvtc calibrate --model ... --out FILE`, or delete the cached file of an "
@@ -516,9 +517,10 @@ def tensor_names(meta: dict[str, Any]) -> set[str]:
         if meta.get("queries") is not None:
             names |= {"queries", "queries.scale"}
             if meta["queries"].get("map"):
-                names.add("queries.map")
+                names |= {"queries.map", "queries.map.scale", "queries.map.bias"}
         if meta.get("token_map") is not None:
             names |= {"tokens.mean", "tokens.std", "tokens.probe", "tokens.keys", "tokens.values"}
+            names |= {"tokens.keys.scale", "tokens.values.scale"}
         return names
     except (KeyError, TypeError, AttributeError):
         raise CalibrationError("calibration metadata lacks its PCA table; the file is corrupt") from None

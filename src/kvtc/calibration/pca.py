@@ -79,7 +79,7 @@ class PCAResult:
     def coder_basis(self, decode: bool, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mean, basis)`` in feature units for a coder, float32 on ``device`` (None: where they are):
         ``coeffs = (x − mean) @ basisᵀ`` with the encode basis, ``x̂ = coeffs @ basis + mean`` with the decode basis
-        (the same matrix when unweighted). A calibration stores its basis as float16 (format version 10): it is
+        (the same matrix when unweighted). A calibration stores its basis as float16 (format versions 10 on): it is
         moved to ``device`` as such and taken to float32 there (exactly), so the coder's arithmetic is float32."""
         mean, basis = self.mean.to(device), self.basis.to(device).float()
         if self.scale is None:

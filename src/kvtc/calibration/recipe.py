@@ -112,7 +112,7 @@ class Recipe:
     least :data:`~kvtc.calibration.token_map.MIN_GAIN` of the distortion on held-out windows; ``"off"``);
     ``forward``.
 
-    Older recipes (r9-r15) and files (versions 1-9) are refused: rebuild.
+    Older recipes (r9-r15) and files (versions 1-10) are refused: rebuild.
     """
 
     ratios: tuple[float, ...] = DEFAULT_RATIOS
@@ -250,7 +250,7 @@ def _integer(recipe: Recipe, name: str, least: int) -> None:
 #: by the rate ladder, each token less its token-map prediction where that pays, fixed-step planes sized under their
 #: components' Gaussians, Fisher-weighted features; r16u without the weighting (the eval's ablation). What each
 #: earlier recipe (r9 to r15) added, and why r16 replaced them: docs/studies/history.md and
-#: docs/studies/calibration-speed.md. Older recipes (r9-r15) and files (versions 1-9) are refused: rebuild.
+#: docs/studies/calibration-speed.md. Older recipes (r9-r15) and files (versions 1-10) are refused: rebuild.
 RECIPES: dict[str, Recipe] = {"r16": Recipe(), "r16u": Recipe(sensitivity="none")}
 DEFAULT_RECIPE = "r16"
 UNWEIGHTED_RECIPE = "r16u"

@@ -104,8 +104,8 @@ _RULES = {
     "denormal divisor decodes to inf or NaN)",
     "std": "positive finite standard deviations of at least {floor:.4g} (the fit's floor)",
 }
-#: the dtype of the tensors that are not float32
-_DTYPES = {"tokens.keys": torch.float16, "tokens.values": torch.float16}
+#: the dtype of the tensors that are not float32 (besides the PCA bases: float16)
+_DTYPES = {"queries.map": torch.int8, "tokens.keys": torch.int8, "tokens.values": torch.int8}
 
 
 def _role(name: str) -> str:
@@ -114,10 +114,11 @@ def _role(name: str) -> str:
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibration") -> None:
     """Raise :class:`CalibrationError` (naming the tensor, and saying to rebuild the calibration) unless every
-    calibration tensor holds values a decode can use: float32 (the token map's weights and the PCA bases float16)
-    and finite;
+    calibration tensor holds values a decode can use: float32 (the PCA bases float16, the token map's and the
+    key-to-query map's weights int8) and finite;
     eigenvalues zero or a positive normal float; feature scales and query logit scales positive normal floats (no
-    zero, negative or denormal value: decoding divides by them or by their reciprocals), the token map's standard
+    zero, negative or denormal value: decoding divides by them or by their reciprocals; the token map's column
+    scales and the key-to-query map's likewise), the token map's standard
     deviations at least :data:`~kvtc.calibration.token_map.STD_FLOOR`; and, where a PCA group is weighted, its
     coder bases and mean (``basis / scale``, ``basis · scale``, ``mean / scale``) finite.
 
@@ -147,7 +148,9 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], source: Any = "calibratio
         prefix, _, part = name.rpartition(".")
         if part == "basis" and f"{prefix}.scale" in tensors:
             widest[prefix] = max(hi, -lo)
-        least = {"finite": -math.inf, "spectrum": 0.0, "divisor": _tiny(t.dtype), "std": _std_floor()}[role]
+        # (divisors and standard deviations are float32, their dtype checked above)
+        least = -math.inf if role == "finite" else 0.0 if role == "spectrum" else None
+        least = (_tiny(t.dtype) if role == "divisor" else _std_floor()) if least is None else least
         # a NaN fails every comparison; -inf fails the finite one
         good = lo >= least and lo > -math.inf and hi < math.inf
         if good and role == "spectrum":

@@ -397,8 +397,11 @@ def default_calibration(recipe: Recipe = Recipe(), progress: bool = True, model:
 
 def default_calibration_path(recipe: Recipe = Recipe(), model: str = "smollm2") -> Path:
     """Where :func:`default_calibration` caches the calibration of ``recipe`` (which must be a named one) for the
-    embedded ``model``: ``<cache>/calibrations/<key>-sotu-pre2000-<tokens>-<recipe>.safetensors``."""
+    embedded ``model``: ``<cache>/calibrations/<key>-sotu-pre2000-<tokens>-<recipe>-v<format>.safetensors``
+    (the file format version in the name: a kvtc that writes another format builds its own file rather than refusing
+    the one cached by an earlier release)."""
     from .. import assets
+    from ..calibration.meta import FORMAT_VERSION
 
     embedded = _embedded(model)
     name = recipe.name
@@ -408,7 +411,8 @@ def default_calibration_path(recipe: Recipe = Recipe(), model: str = "smollm2") 
             "tokens), and this one is none of them; calibrate with calibrate_model(model, tokenizer, texts, recipe) "
             "and save the result"
         )
-    return assets.cache_dir() / "calibrations" / f"{embedded.key}-sotu-pre2000-{recipe.tokens}-{name}.safetensors"
+    stem = f"{embedded.key}-sotu-pre2000-{recipe.tokens}-{name}-v{FORMAT_VERSION}"
+    return assets.cache_dir() / "calibrations" / f"{stem}.safetensors"
 
 
 def load_calibration(
