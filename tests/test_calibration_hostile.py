@@ -493,6 +493,14 @@ def test_the_rich_calibration_round_trips():
         assert cal.hash == RICH.hash and cal.version == FORMAT_VERSION
 
 
+@pytest.mark.parametrize("name", ["tokens.keys.scale", "queries.map.scale"])
+def test_a_map_scale_that_would_dequantize_beyond_float16_is_refused(name):
+    """An int8 map's column scale is bounded (a weight within float16's range, as the maps held before format 11): a
+    forged scale near float32's largest, finite and positive, would dequantize to inf."""
+    cal, _ = _hostile_copy(name, 0, 1e36)
+    _both_refuse(cal.to_bytes(), match="column scales must be at most")
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(CHECKED), index=st.integers(min_value=0, max_value=1 << 20), pick=st.integers(0, 99))
 def test_a_value_no_decode_can_use_is_refused_naming_the_tensor(name, index, pick):

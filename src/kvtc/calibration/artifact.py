@@ -64,7 +64,7 @@ from .meta import FORMAT_NAME, FORMAT_VERSION, header_length, kvtc_meta, read_he
 from .pca import PCAResult
 from .plan import PAPER_TYPES, Plan
 from .recipe import check_recorded
-from .token_map import TokenMap, quantize_weights
+from .token_map import MAX_WEIGHT_SCALE, TokenMap, quantize_weights
 from .validation import check_tensors, shard, validate
 
 KINDS = ("keys", "values")
@@ -449,6 +449,11 @@ def query_map_dense(
         raise CalibrationError(
             f"{source}: key-to-query map tensors of shapes {list(q.shape)}, {list(scale.shape)}, {list(bias.shape)} "
             "do not fit together; the file is corrupt: rebuild the calibration (`kvtc calibrate`)"
+        )
+    if not bool((scale <= MAX_WEIGHT_SCALE).all()):
+        raise CalibrationError(
+            f"{source}: key-to-query map column scales must be at most {MAX_WEIGHT_SCALE:.4g}; the file is corrupt: "
+            "rebuild the calibration (`kvtc calibrate`)"
         )
     return torch.cat([q.float() * scale.unsqueeze(2), bias.unsqueeze(2)], 2)
 

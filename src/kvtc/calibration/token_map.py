@@ -57,6 +57,9 @@ STD_FLOOR = 1e-6
 KINDS = ("keys", "values")
 #: the largest magnitude of a stored weight: int8, symmetric (-127 ... 127)
 WEIGHT_LEVELS = 127
+#: the largest column scale a file may hold: a weight stays within float16's range, as it was when maps were float16
+#: (a forged scale near float32's largest would dequantize to inf)
+MAX_WEIGHT_SCALE = float(torch.finfo(torch.float16).max) / WEIGHT_LEVELS
 
 
 def quantize_weights(w: torch.Tensor, dim: int = 0, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +151,11 @@ class TokenMap:
                 raise CalibrationError(f"token map {name} must be {dtype} {list(shape)}; the file is corrupt")
             if t.numel() and not all(math.isfinite(float(x)) for x in torch.aminmax(t)):  # NaN propagates
                 raise CalibrationError(f"token map {name} is not finite; the file is corrupt")
+        if not all(bool((self.scales[k] <= MAX_WEIGHT_SCALE).all()) for k in KINDS):
+            raise CalibrationError(
+                f"token map column scales must be at most {MAX_WEIGHT_SCALE:.4g}; the file is corrupt: rebuild the "
+                "calibration (`kvtc calibrate`)"
+            )
         if not bool((self.std >= torch.tensor(STD_FLOOR, dtype=torch.float32)).all()):
             raise CalibrationError(
                 f"token map standard deviations must be positive, at least {STD_FLOOR:g} (the fit's floor); the "
