@@ -32,7 +32,8 @@ demo: assets
 
 test: assets lint
 	scripts/ensure_redis.sh
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) -m pytest -q -ra --durations=25 --cov --cov-report=
+	@echo "line coverage of src/kvtc: $$($(PY) -m coverage report --format=total)%"
 
 # ruff comes with the test requirements
 lint: $(STAMP)

@@ -69,12 +69,22 @@ def test_calibrate_help_names_the_default_ratio_ladder():
     assert RATIOS_HELP.endswith("(default " + " ".join(f"{r:g}" for r in DEFAULT_RATIOS) + ")")
 
 
-def test_calibrate_default_reuses_the_cached_calibration(capsys, small_calibration_path):
-    from kvtc.calibration.fit import DEFAULT_RATIOS
+def test_calibrate_default_reuses_the_cached_calibration(capsys, tmp_path, monkeypatch, small_calibration_path):
+    """`kvtc calibrate --tokens N` finds the default calibration cached for N tokens and reports it, building
+    nothing (a cache holding the test calibration at the default's path: no model is loaded)."""
+    import shutil
 
+    from kvtc.calibration.fit import DEFAULT_RATIOS
+    from kvtc.integrations.hf_calibrate import Recipe, default_calibration_path
+
+    monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
+    cached = default_calibration_path(Recipe(tokens=SMALL_CALIBRATION_TOKENS))
+    cached.parent.mkdir(parents=True)
+    shutil.copyfile(small_calibration_path, cached)
+    monkeypatch.setattr("kvtc.assets.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     code, out, _ = run_cli(capsys, "calibrate", "--tokens", SMALL_CALIBRATION_TOKENS)
     ratios = ", ".join(f"{r:g}" for r in DEFAULT_RATIOS)
-    assert code == 0 and str(small_calibration_path) in out and f"ratios {ratios}" in out
+    assert code == 0 and str(cached) in out and f"ratios {ratios}" in out
     assert "weighting: sensitivity (fisher)" in out and "bit budgets count" not in out
 
 

