@@ -472,7 +472,9 @@ def _hostile_copy(name: str, index: int, value: float) -> tuple[Calibration, tor
     if name.startswith("queries.map."):  # parts of the file's map (the calibration holds it whole): forged there
         tensors = cal._tensors()
         target = tensors[name] = tensors[name].clone()
-        cal._tensors = lambda: tensors  # type: ignore[method-assign]
+        cal._tensors = lambda queries=True: (
+            tensors if queries else {n: t for n, t in tensors.items() if not n.startswith("queries")}
+        )  # type: ignore[method-assign]
     elif target is None and name.startswith("tokens."):
         tm = cal.token_map
         part = name.split(".", 1)[1]

@@ -268,7 +268,8 @@ class Calibration:
             out["map"] = True
         return out
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _tensors(self, queries: bool = True) -> dict[str, torch.Tensor]:
+        """The file's tensors by name; without ``queries``, those the decoder reads (the hash's)."""
         out = {}
         for kind in KINDS:
             for g, p in enumerate(self.pcas[kind]):
@@ -277,7 +278,7 @@ class Calibration:
                 out[f"{kind}.{g}.eigenvalues"] = p.eigenvalues.contiguous()
                 if p.scale is not None:
                     out[f"{kind}.{g}.scale"] = p.scale.contiguous()
-        if self.queries is not None and self.query_scales is not None:
+        if queries and self.queries is not None and self.query_scales is not None:
             out["queries"] = self.queries.contiguous()
             out["queries.scale"] = self.query_scales.contiguous()
             if self.query_map is not None:
@@ -288,7 +289,7 @@ class Calibration:
         return out
 
     def _compute_hash(self) -> str:
-        decoding = {n: t for n, t in self._tensors().items() if not n.startswith("queries")}
+        decoding = self._tensors(queries=False)  # the encoder's query statistics are not part of the hash
         return decoding_hash(self.layout, self.grouping, self.rope, self.plans, decoding)
 
     def to_bytes(self) -> bytes:

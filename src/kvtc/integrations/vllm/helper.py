@@ -352,18 +352,17 @@ class CodecProcess:
                     self._lock.notify_all()
                 continue
             key = reply.get("save")
-            with self._lock:  # (re-entrant) settled before a flush waiting on it returns
-                entry = self._pending.pop(key, None)
+            with self._lock:  # (re-entrant)
+                entry = self._pending.get(key)
                 if entry is not None:
                     self._settle(key, reply)
-                self._lock.notify_all()
             if entry is not None:
                 _unlink(entry[1])
                 self.on_saved(key, reply.get("bytes"), reply.get("seconds", {}), reply.get("error"))
+                self._settled([key])  # after its callback: a flush that returns has seen the chunk's word
         with self._lock:  # the process is gone: what it had not stored is lost
             self.alive = False
             lost = list(self._pending.items())
-            self._pending.clear()
             if not self._closing:
                 self._next_start = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, RESTART_BACKOFF_MAX_S)
@@ -384,6 +383,14 @@ class CodecProcess:
         for key, (_, path) in lost:
             _unlink(path)
             self.on_saved(key, None, {}, "the codec process exited")
+        self._settled([key for key, _ in lost])
+
+    def _settled(self, keys: list[str]) -> None:
+        """Chunks whose word the caller has had (``on_saved``): no longer pending; a flush waiting on them returns."""
+        with self._lock:
+            for key in keys:
+                self._pending.pop(key, None)
+            self._lock.notify_all()
 
     def _settle(self, key: str, reply: dict[str, Any]) -> None:
         """Remember a stored chunk (not saved again) and one the store did not take (not before the breaker closes);
