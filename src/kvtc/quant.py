@@ -311,7 +311,7 @@ def coded_bits(x: torch.Tensor, qtype: int, clip: float | torch.Tensor = 1.0) ->
 def _entropy_bits(sym: torch.Tensor, shape: torch.Size, qtype: int) -> torch.Tensor:
     n, m, g = shape
     levels = 256 if qtype in FP8_TYPES else 1 << TYPE_BITS[qtype]
-    # each (component, symbol) pair counted once: the bins of one component are consecutive
+    # the bin of symbol s of component c is c * levels + s (the rows' order does not matter to a count)
     dtype = torch.int32 if m * g * levels < 1 << 31 else torch.int64
     comp = torch.arange(m * g, dtype=dtype, device=sym.device) * levels
     idx = sym.reshape(n, m * g).to(dtype) + comp
